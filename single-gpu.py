@@ -1,0 +1,194 @@
+"""Fine-tune a causal language model on one device with plain PyTorch.
+
+    python3 single-gpu.py                          # facebook/opt-125m on yelp_review_full
+    python3 single-gpu.py --demo                   # a tiny model trained from scratch on a generated corpus (CPU ok)
+    python3 single-gpu.py --model ./my-model --dataset train.jsonl --text-column text
+
+zero-optimization.py is this file plus the edits DeepSpeed ZeRO needs, each marked `# ZeRO:`;
+`diff single-gpu.py zero-optimization.py` shows them. Places to tune are marked `To-Do:`.
+"""
+import argparse
+import contextlib
+import math
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+
+import common
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # data (To-Do: your dataset and its text column; --block-size up to the model's context)
+    p.add_argument("--dataset", default="yelp_review_full", help="hub name or local .csv/.json/.jsonl/.txt/.parquet")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--block-size", type=int, default=512, help="tokens per training sequence")
+    p.add_argument("--no-packing", dest="packing", action="store_false", help="one text per sequence, padded")
+    # model (To-Do: your model; bf16 on A100/H100-class GPUs; checkpointing when activations do not fit)
+    p.add_argument("--model", default="facebook/opt-125m", help="hub id or local folder of a causal LM")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 on GPUs that have it, else fp32")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
+    # train (To-Do: the largest --batch-size that fits, then --grad-accum for the global batch you want; --lr)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--warmup-ratio", type=float, default=0.05, help="share of the steps spent warming up the LR")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--epochs", type=float, default=1)
+    p.add_argument("--max-steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
+    p.add_argument("--seed", type=int, default=42)
+    # run
+    p.add_argument("--output-dir", default="out/single-gpu")
+    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
+    p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints (0: none)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
+    p.add_argument("--prompt", default="The food was", help="text to continue with the saved model ('' to skip)")
+    p.add_argument("--demo", action="store_true", help="tiny model + generated corpus shipped with the repo")
+    args = p.parse_args(argv)
+    if args.demo:  # the demo changes the defaults; flags given on the command line still win
+        p.set_defaults(**common.demo_defaults())
+        args = p.parse_args(argv)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+
+    # -------------------------------------------------------------------------------- setup
+    rank, world_size = 0, 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    say = tqdm.write if rank == 0 else (lambda *a, **k: None)
+    args.precision = common.resolve_precision(args.precision, device)
+    config = AutoConfig.from_pretrained(args.model)
+    common.check_args(args, getattr(config, "max_position_embeddings", None))
+    out = common.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    torch.manual_seed(args.seed)
+
+    # -------------------------------------------------------------------------------- data
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_texts, eval_texts = common.load_splits(args.dataset, args.text_column, args.seed)
+    train = common.tokenize(train_texts, tokenizer, args.text_column, args.block_size, args.packing)
+    evals = common.tokenize(eval_texts, tokenizer, args.text_column, args.block_size, args.packing)
+    global_batch = args.batch_size * args.grad_accum * world_size  # sequences per optimizer step
+    batches = common.GlobalBatches(len(train), global_batch, args.seed)
+    if batches.steps_per_epoch == 0:
+        common.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
+                    f"lower --batch-size or --grad-accum, or add data")
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * batches.steps_per_epoch)
+    warmup_steps = int(args.warmup_ratio * total_steps)
+
+    # -------------------------------------------------------------------------------- model and optimizer
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(device)
+    optimizer = torch.optim.AdamW(common.param_groups(model, args.weight_decay), lr=args.lr,
+                                  betas=common.ADAM_BETAS, eps=common.ADAM_EPS, fused=device.type == "cuda")
+    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    autocast = (contextlib.nullcontext() if args.precision == "fp32"
+                else torch.autocast(device.type, dtype=common.AMP_DTYPES[args.precision]))
+    n_params = common.count_params(model)
+    flops_per_token = common.flops_per_token(config, args.block_size, n_params)
+
+    start_step, losses = 0, []
+    if args.resume:
+        tag = (out / "checkpoints" / "latest").read_text().strip()
+        state = torch.load(out / "checkpoints" / tag / "state.pt", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        start_step, losses = state["step"], state["losses"]
+        common.set_rng_state(state["rng"])
+        say(f"resumed from {tag}: step {start_step} of {total_steps}")
+
+    # -------------------------------------------------------------------------------- train
+    say(f"{n_params / 1e6:.1f}M parameters | {len(train)} sequences of <= {args.block_size} tokens | "
+        f"{total_steps} steps of {global_batch} sequences ({args.batch_size} per micro-step x {args.grad_accum} "
+        f"micro-steps x {world_size} ranks) | precision {args.precision} | {device}")
+    model.train()
+    pending, tokens_seen, train_time = [], 0, 0.0
+    interval_start, interval_tokens = time.perf_counter(), 0
+    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=rank != 0)
+    for step in bar:
+        indices = batches(step)  # the global batch: the same sequences whatever the number of ranks
+        n_targets = int(train.targets[indices].sum())  # tokens predicted in the whole global batch
+        step_loss = torch.zeros((), device=device)
+        for micro in indices.view(args.grad_accum, -1):
+            batch = train.batch(micro, pad_id, device)
+            with autocast:
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = common.token_loss_sum(logits, batch["labels"]) / n_targets
+            scaler.scale(loss).backward()
+            step_loss += loss.detach()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        pending.append(step_loss)
+        interval_tokens += int(train.lengths[indices].sum())
+
+        if (step + 1) % args.log_every == 0 or step + 1 == total_steps:
+            step_losses = torch.stack(pending)
+            losses += step_losses.tolist()  # the one host-device sync of the interval
+            pending, elapsed = [], time.perf_counter() - interval_start
+            train_time, tokens_seen = train_time + elapsed, tokens_seen + interval_tokens
+            line = (f"step {step + 1}/{total_steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
+                    f"{interval_tokens / elapsed:,.0f} tok/s")
+            peak = common.peak_tflops(device)
+            if peak:
+                tflops = flops_per_token * interval_tokens / elapsed / world_size / 1e12
+                mem = common.peak_memory_bytes(device) / 2**30
+                line += f" | {tflops:.0f} TFLOPs/GPU | MFU {100 * tflops / peak:.1f}% | peak mem {mem:.1f} GiB"
+            say(line)
+            interval_start, interval_tokens = time.perf_counter(), 0
+
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
+            tag, ckpt = f"step-{step + 1}", out / "checkpoints"
+            (ckpt / tag).mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                        "step": step + 1, "losses": losses, "rng": common.rng_state()}, ckpt / tag / "state.pt")
+            (ckpt / "latest").write_text(tag)  # the pointer moves only once the checkpoint is complete
+            interval_start = time.perf_counter()  # checkpointing is not training time
+
+    # -------------------------------------------------------------------------------- evaluate
+    sums = common.evaluate(model, evals, args.batch_size, pad_id, device, autocast, rank, world_size)
+    eval_loss = (sums[0] / sums[1]).item()
+    say(f"eval loss {eval_loss:.4f} | perplexity {common.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
+
+    # -------------------------------------------------------------------------------- save
+    final = out / "final"
+    if rank == 0:
+        model.save_pretrained(final)  # safetensors
+        tokenizer.save_pretrained(final)
+    params_bytes = [common.params_held_bytes(model)]
+    results = {"losses": losses, "eval_loss": eval_loss, "perplexity": common.perplexity(eval_loss),
+               "train_runtime_s": train_time, "train_tokens": tokens_seen, "tokens_per_sec": tokens_seen / train_time,
+               "peak_memory_bytes": common.peak_memory_bytes(device), "params_bytes_per_rank": params_bytes,
+               "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision}
+    if rank == 0:
+        common.write_json(out / "results.json", results)
+        common.plot_losses(losses, out / "loss.png")
+    say(f"saved {final} and {out / 'results.json'}")
+
+    if args.prompt and rank == 0:  # reload what was saved, as a user would, and continue the prompt
+        reloaded = AutoModelForCausalLM.from_pretrained(final).to(device).eval()
+        prompt = [tokenizer.eos_token_id] + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+        generated = reloaded.generate(torch.tensor([prompt], device=device), max_new_tokens=30, do_sample=False,
+                                      pad_token_id=pad_id)
+        say(f"sample: {tokenizer.decode(generated[0, 1:], skip_special_tokens=True)!r}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

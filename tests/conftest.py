@@ -1,0 +1,96 @@
+"""Shared test fixtures: a tiny OPT model and a generated corpus, made once per session, and ways to run the
+scripts (in process through main(), or under the real launchers)."""
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import common  # noqa: E402
+
+
+def load_script(name):
+    """The scripts have dashes in their names: import them from their paths to call main(argv)."""
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), ROOT / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A 2-layer, 32-wide OPT (dropout 0) and 240 generated reviews."""
+    root = tmp_path_factory.mktemp("tiny")
+    common.make_demo_corpus(root / "reviews.csv", n=240, seed=1)
+    import csv
+    with open(root / "reviews.csv") as f:
+        texts = [row["text"] for row in csv.DictReader(f)]
+    tokenizer = common.make_demo_tokenizer(texts, vocab_size=300)
+    common.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=64, seed=0)
+    return {"data": str(root / "reviews.csv"), "model": str(root / "model"), "root": root}
+
+
+def base_args(tiny, out, **overrides):
+    args = {"--model": tiny["model"], "--dataset": tiny["data"], "--block-size": 32, "--lr": 1e-3,
+            "--max-steps": 4, "--log-every": 1, "--save-every": 2, "--output-dir": str(out), "--prompt": ""}
+    args.update(overrides)
+    return [str(x) for kv in args.items() for x in kv if x is not None]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(launcher, script, argv, nproc=2, timeout=600, env=None):
+    """Run a script under deepspeed, torchrun or plain python; return the CompletedProcess."""
+    bin_dir = Path(sys.executable).parent
+    port = str(free_port())
+    if launcher == "deepspeed":
+        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, script]
+    elif launcher == "torchrun":
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port, script]
+    else:
+        cmd = [sys.executable, script]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    result = subprocess.run(cmd + argv, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return result
+
+
+def check(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def results(out):
+    return json.loads((Path(out) / "results.json").read_text())
+
+
+def weights(folder):
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def assert_close_losses(a, b, rtol=1e-5):
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    rel = ((a - b).abs() / a.abs()).max().item()
+    assert rel < rtol, f"losses differ by {rel:.2e} relative:\n{a.tolist()}\n{b.tolist()}"
+
+
+def assert_same_weights(wa, wb, atol=1e-5):
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        diff = (wa[k].float() - wb[k].float()).abs().max().item()
+        assert diff <= atol, f"{k} differs by {diff:.2e}"

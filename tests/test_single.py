@@ -1,0 +1,114 @@
+"""single-gpu.py, in process: the demo, the batch-split invariance, resume, the export, and bad input."""
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import assert_close_losses, assert_same_weights, base_args, load_script, results, weights
+
+single = load_script("single-gpu.py")
+
+
+def test_demo_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    single.main(["--demo", "--batch-size", "16", "--max-steps", "40", "--output-dir", str(out)])
+    r = results(out)
+    losses = r["losses"]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0]  # the loss visibly falls (from ~6.7)
+    assert r["eval_loss"] < 0.6 * losses[0] and r["perplexity"] == pytest.approx(2.718281828 ** r["eval_loss"])
+    assert r["world_size"] == 1 and r["global_batch_size"] == 16
+    assert 40 * 16 * 128 - 128 < r["train_tokens"] <= 40 * 16 * 128  # real tokens; at most one short last block
+    assert r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0
+    assert (out / "loss.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "step 40/40 | loss" in printed and "sample: 'The pasta was" in printed
+
+
+def test_export_reloads_with_stock_transformers(tmp_path, tiny):
+    out = tmp_path / "run"
+    single.main(base_args(tiny, out, **{"--prompt": "The food"}))
+    final = out / "final"
+    assert (final / "model.safetensors").exists() and (final / "tokenizer.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert model.dtype == torch.float32
+    generated = model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=5, do_sample=False, pad_token_id=1)
+    assert generated.shape == (1, 8) and isinstance(tokenizer.decode(generated[0]), str)
+
+
+def test_same_global_batches_whatever_the_split(tmp_path, tiny):
+    """8 sequences per step as 8x1 or 2x4 micro-steps: the same losses and weights."""
+    single.main(base_args(tiny, tmp_path / "a", **{"--batch-size": 8, "--grad-accum": 1}))
+    single.main(base_args(tiny, tmp_path / "b", **{"--batch-size": 2, "--grad-accum": 4}))
+    a, b = results(tmp_path / "a"), results(tmp_path / "b")
+    assert_close_losses(a["losses"], b["losses"])
+    assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
+    assert_same_weights(weights(tmp_path / "a" / "final"), weights(tmp_path / "b" / "final"))
+
+
+def crash_after_first_checkpoint(out):
+    """Make a finished 4-step run look like one killed just after its step-2 checkpoint."""
+    for name in ("results.json", "loss.png"):
+        (out / name).unlink()
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoints" / "step-4")
+    (out / "checkpoints" / "latest").write_text("step-2")
+
+
+def test_resume_continues_with_identical_losses(tmp_path, tiny):
+    out = tmp_path / "run"
+    single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2}))
+    full = results(out)
+    full_weights = weights(out / "final")
+    crash_after_first_checkpoint(out)
+    with pytest.raises(SystemExit, match="holds an unfinished run; pass --resume"):
+        single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2}))
+    single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2}) + ["--resume"])
+    resumed = results(out)
+    assert len(resumed["losses"]) == 4
+    assert_close_losses(full["losses"], resumed["losses"], rtol=1e-6)
+    assert_same_weights(full_weights, weights(out / "final"), atol=1e-6)
+
+
+def test_no_packing_and_bf16(tmp_path, tiny):
+    single.main(base_args(tiny, tmp_path / "pad", **{"--batch-size": 4, "--block-size": 64}) + ["--no-packing"])
+    r = results(tmp_path / "pad")
+    assert 4 * 4 * 20 < r["train_tokens"] < 4 * 4 * 64  # real tokens only: the padded positions are not counted
+    single.main(base_args(tiny, tmp_path / "bf16", **{"--batch-size": 4, "--precision": "bf16"}))
+    r16 = results(tmp_path / "bf16")
+    assert r16["precision"] == "bf16" and all(0 < x < 10 for x in r16["losses"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"--dataset": "/nonexistent/data.csv"}, "dataset file /nonexistent/data.csv does not exist"),
+    ({"--text-column": "review"}, "has no column 'review' (it has label, text); pass --text-column"),
+    ({"--lr": 0}, "--lr must be positive, got 0.0"),
+    ({"--batch-size": -1}, "--batch-size must be positive"),
+    ({"--block-size": 1}, "--block-size must be at least 2"),
+    ({"--block-size": 65}, "--block-size 65 is beyond the model's 64 positions"),
+    ({"--max-steps": 0, "--epochs": 0}, "set --epochs or --max-steps"),
+    ({"--batch-size": 4000}, "less than one global batch of 4000"),
+])
+def test_bad_input_is_one_line(tmp_path, tiny, overrides, message):
+    with pytest.raises(SystemExit) as e:
+        single.main(base_args(tiny, tmp_path / "x", **overrides))
+    text = str(e.value)
+    assert text.startswith("error: ") and message in text and "\n" not in text
+
+
+def test_a_finished_run_is_never_overwritten_by_accident(tmp_path, tiny):
+    out = tmp_path / "run"
+    single.main(base_args(tiny, out))
+    before = (out / "results.json").read_text()
+    with pytest.raises(SystemExit, match="holds a finished run; pass --overwrite"):
+        single.main(base_args(tiny, out, **{"--lr": 5e-3}))
+    assert (out / "results.json").read_text() == before
+    single.main(base_args(tiny, out, **{"--lr": 5e-3}) + ["--overwrite"])
+    assert results(out)["losses"] != __import__("json").loads(before)["losses"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit, match="is a file; pass a folder"):
+        single.main(base_args(tiny, tmp_path / "file"))
+    with pytest.raises(SystemExit, match="no checkpoints to resume from"):
+        single.main(base_args(tiny, tmp_path / "new") + ["--resume"])
