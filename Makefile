@@ -20,6 +20,8 @@ demo: $(VENV)/installed
 	$(VENV)/bin/deepspeed --num_gpus $(DEMO_RANKS) zero-optimization.py --demo --zero-stage 3 \
 		--batch-size $$((16 / $(DEMO_RANKS))) --output-dir out/demo-zero --overwrite
 	$(PY) -c 'import common; common.compare_runs("out/demo-single-gpu", "out/demo-zero")'
+	$(VENV)/bin/deepspeed --num_gpus $(DEMO_RANKS) sequence_classification.py --demo --deepspeed ds_config_zero2.json \
+		--output-dir out/demo-classification --overwrite
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q tests

@@ -120,6 +120,37 @@ def make_demo_lm(path, tokenizer, hidden=128, layers=2, heads=4, positions=256, 
     tokenizer.save_pretrained(path)
 
 
+def make_demo_wordpiece_tokenizer(texts, vocab_size=1000):
+    """A lowercasing WordPiece tokenizer trained on the corpus, with BERT's special tokens: [CLS] text [SEP]."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "attention_mask"])  # DistilBERT: no token types
+
+
+def make_demo_encoder(path, tokenizer, dim=64, layers=2, heads=2, positions=256, seed=0):
+    """A tiny DistilBERT-architecture encoder with random weights and no task head, saved like a pretrained one."""
+    from transformers import AutoModel, DistilBertConfig
+
+    config = DistilBertConfig(vocab_size=len(tokenizer), dim=dim, n_layers=layers, n_heads=heads,
+                              hidden_dim=4 * dim, max_position_embeddings=positions, dropout=0.0,
+                              attention_dropout=0.0, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    AutoModel.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def demo_assets(root=DEMO_DIR):
     """Build the demo corpus and model once (atomically, so ranks racing here are safe); return their paths."""
     root = Path(root)
@@ -129,19 +160,26 @@ def demo_assets(root=DEMO_DIR):
         with open(tmp / "reviews.csv") as f:
             texts = [row["text"] for row in csv.DictReader(f)]
         make_demo_lm(tmp / "opt-demo", make_demo_tokenizer(texts))
+        make_demo_encoder(tmp / "distilbert-demo", make_demo_wordpiece_tokenizer(texts))
         (tmp / "DONE").touch()
         try:
             tmp.rename(root)
         except OSError:  # another process finished first: use theirs
             shutil.rmtree(tmp, ignore_errors=True)
-    return root / "reviews.csv", root / "opt-demo"
+    return root / "reviews.csv", root / "opt-demo", root / "distilbert-demo"
 
 
 def demo_defaults():
     """--demo: the generated corpus and the tiny model, with settings that train in about a minute on a CPU."""
-    corpus, model = demo_assets()
+    corpus, model, _ = demo_assets()
     return {"dataset": str(corpus), "model": str(model), "text_column": "text", "block_size": 128, "lr": 3e-3,
             "epochs": 2, "prompt": "The pasta was"}
+
+
+def demo_classification_defaults():
+    corpus, _, encoder = demo_assets()
+    return {"dataset": str(corpus), "model": str(encoder), "text_column": "text", "label_column": "label",
+            "max_length": 128, "lr": 1e-3, "epochs": 3, "batch_size": 32}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -280,6 +318,39 @@ def evaluate(model, blocks, batch_size, pad_id, device, autocast, rank=0, world_
         total[1] += (batch["labels"][:, 1:] != -100).sum()
     model.train()
     return total
+
+
+def class_labels(train, evaluation, column, name):
+    """Class names in a stable order, and both splits with a `labels` column of class ids 0..K-1. String labels
+    become ids; a ClassLabel column keeps its names; integer labels keep their order."""
+    if column not in train.column_names:
+        fail(f"dataset {name} has no column {column!r} (it has {', '.join(train.column_names)}); pass --label-column")
+    feature = train.features[column]
+    if hasattr(feature, "names"):  # a ClassLabel: already ids, with names
+        names = list(feature.names)
+    else:
+        values = set(train[column]) | set(evaluation[column])
+        if None in values:
+            fail(f"dataset {name} has rows without a label in column {column!r}; drop or label them")
+        names = sorted(values, key=lambda v: (isinstance(v, str), v))
+    if len(names) < 2:
+        fail(f"dataset {name} has a single class ({names[0]!r}) in column {column!r}: nothing to learn")
+    ids = {v: i for i, v in enumerate(names)} if not hasattr(feature, "names") else {i: i for i in range(len(names))}
+    to_ids = lambda batch: {"labels": [ids[v] for v in batch]}
+    train, evaluation = (split.map(to_ids, input_columns=column, batched=True) for split in (train, evaluation))
+    return [str(n) for n in names], train, evaluation
+
+
+def classification_metrics(predictions, labels, num_classes):
+    """Accuracy and macro-averaged F1 (each class's F1, averaged with equal weight), computed here: evaluate.load
+    would need the hub."""
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    f1s = []
+    for c in range(num_classes):
+        tp = np.sum((predictions == c) & (labels == c))
+        fp, fn = np.sum((predictions == c) & (labels != c)), np.sum((predictions != c) & (labels == c))
+        f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+    return {"accuracy": float(np.mean(predictions == labels)), "f1_macro": float(np.mean(f1s))}
 
 
 def perplexity(loss):

@@ -81,7 +81,7 @@ def main(argv=None):
         common.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
                     f"lower --batch-size or --grad-accum, or add data")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * batches.steps_per_epoch)
-    warmup_steps = int(args.warmup_ratio * total_steps)
+    warmup_steps = math.ceil(args.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
     # -------------------------------------------------------------------------------- model and optimizer
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights

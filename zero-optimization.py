@@ -95,7 +95,7 @@ def main(argv=None):
         common.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
                     f"lower --batch-size or --grad-accum, or add data")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * batches.steps_per_epoch)
-    warmup_steps = int(args.warmup_ratio * total_steps)
+    warmup_steps = math.ceil(args.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
     # -------------------------------------------------------------------------------- model and optimizer
     # ZeRO: fill the JSON's "auto" values from the flags; the engine builds the optimizer it names
@@ -202,6 +202,7 @@ def main(argv=None):
         generated = reloaded.generate(torch.tensor([prompt], device=device), max_new_tokens=30, do_sample=False,
                                       pad_token_id=pad_id)
         say(f"sample: {tokenizer.decode(generated[0, 1:], skip_special_tokens=True)!r}")
+    dist.destroy_process_group()  # ZeRO: leave the group cleanly
     return results
 
 

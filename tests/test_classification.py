@@ -1,0 +1,76 @@
+"""sequence_classification.py: string labels, both shipped DeepSpeed configs on 2 processes, the saved model behind
+pipeline(), one process without DeepSpeed, and bad input."""
+import csv
+
+import pytest
+from transformers import pipeline
+
+from conftest import check, common, launch, load_script, results
+
+classification = load_script("sequence_classification.py")
+
+
+@pytest.fixture(scope="module")
+def sentiment(tmp_path_factory):
+    """Generated reviews labelled with strings (1-2 stars 'negative', 4-5 'positive'), and a tiny encoder."""
+    root = tmp_path_factory.mktemp("sentiment")
+    common.make_demo_corpus(root / "reviews.csv", n=600, seed=2)
+    with open(root / "reviews.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["label"] != "2"]
+    with open(root / "sentiment.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["review", "sentiment"])
+        writer.writerows([r["text"], "negative" if int(r["label"]) < 2 else "positive"] for r in rows)
+    tokenizer = common.make_demo_wordpiece_tokenizer([r["text"] for r in rows], vocab_size=400)
+    common.make_demo_encoder(root / "encoder", tokenizer, dim=32, layers=2, heads=2, positions=128)
+    return root
+
+
+def argv(root, out, *extra):
+    return ["--model", str(root / "encoder"), "--dataset", str(root / "sentiment.csv"), "--text-column", "review",
+            "--label-column", "sentiment", "--max-length", "96", "--batch-size", "16", "--lr", "2e-3",
+            "--epochs", "2", "--output-dir", str(out), *extra]
+
+
+def test_one_process_without_deepspeed(sentiment, tmp_path):
+    r = classification.main(argv(sentiment, tmp_path / "run"))
+    assert r["accuracy"] >= 0.9 and r["f1_macro"] >= 0.9 and r["world_size"] == 1
+    assert r["labels"] == ["negative", "positive"]
+    classify = pipeline("text-classification", model=str(tmp_path / "run" / "final"))
+    answers = classify(["The staff were wonderful and made us feel at home. I cannot wait to come back!",
+                        "The staff ignored us for 40 minutes and never apologized. Never again."])
+    assert [a["label"] for a in answers] == ["positive", "negative"]
+
+
+@pytest.mark.parametrize("config", ["ds_config_zero2.json", "ds_config_zero3.json"])
+def test_two_processes_with_each_shipped_config(sentiment, tmp_path, config):
+    out = tmp_path / "run"
+    args = argv(sentiment, out, "--deepspeed", config)
+    args[args.index("--batch-size") + 1] = "8"  # 2 x 8: the global batch of the one-process test
+    run = check(launch("deepspeed", "sequence_classification.py", args))
+    r = results(out)
+    assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
+    assert "accuracy" in run.stdout and ("positive (" in run.stdout or "negative (" in run.stdout)
+    classify = pipeline("text-classification", model=str(out / "final"))  # gathered from the shards under ZeRO-3
+    assert classify("Our server was friendly. I would come back.")[0]["label"] in {"negative", "positive"}
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    ("review,stars\ngood,1\nbad,0\n", [], "has no column 'sentiment' (it has review, stars); pass --label-column"),
+    ("review,sentiment\ngood,positive\nbad,\nok,negative\n", [], "rows without a label"),
+    ("review,sentiment\n" + "fine,positive\n" * 10, [], "a single class ('positive')"),
+    ("\x00\x01 not a parquet file", ["--dataset-suffix", ".parquet"], "could not read"),
+    ("review,sentiment\ngood,positive\nbad,negative\n", ["--deepspeed", "missing.json"], "missing.json does not exist"),
+    ("review,sentiment\ngood,positive\nbad,negative\n", ["--lr", "-1"], "--lr must be positive"),
+])
+def test_bad_input_is_one_line(sentiment, tmp_path, content, flags, message):
+    suffix = ".csv"
+    if flags[:1] == ["--dataset-suffix"]:
+        suffix, flags = flags[1], flags[2:]
+    data = tmp_path / f"data{suffix}"
+    data.write_text(content)
+    args = argv(sentiment, tmp_path / "out", *flags)
+    args[args.index("--dataset") + 1] = str(data)
+    with pytest.raises(SystemExit) as e:
+        classification.main(args)
+    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
