@@ -45,7 +45,8 @@ def base_args(tiny, out, **overrides):
     args = {"--model": tiny["model"], "--dataset": tiny["data"], "--block-size": 32, "--lr": 1e-3,
             "--max-steps": 4, "--log-every": 1, "--save-every": 2, "--output-dir": str(out), "--prompt": ""}
     args.update(overrides)
-    return [str(x) for kv in args.items() for x in kv if x is not None]
+    # --flag=value tokens: an empty value survives the remote shell of a multi-node (pdsh) launch
+    return [f"{k}={v}" for k, v in args.items() if v is not None]
 
 
 def free_port():

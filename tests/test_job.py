@@ -1,0 +1,148 @@
+"""job/: a real multi-node launch over SSH on this machine, the SLURM script's hostfile, the preflight check.
+
+The multi-node test starts its own sshd on 127.0.0.1 and a free port, with throwaway keys and its own
+AuthorizedKeysFile, and two host aliases (node1, node2) in its own ssh_config. An `ssh` wrapper first on PATH adds
+`-F <that config>`: DeepSpeed's launcher and pdsh both call plain `ssh`. Nothing is written to ~/.ssh."""
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, assert_close_losses, base_args, check, free_port, load_script, results
+
+single = load_script("single-gpu.py")
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """PATH and environment under which `ssh node1` and `ssh node2` reach this machine through a private sshd."""
+    if not (os.path.exists(SSHD) and shutil.which("pdsh") and shutil.which("ssh-keygen")):
+        pytest.skip("openssh-server and pdsh are not installed (.ci/run installs them from Debian's packages)")
+    d = tmp_path_factory.mktemp("cluster")
+    for key in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+    shutil.copy(d / "client_key.pub", d / "authorized_keys")
+    port = free_port()
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
+        f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\nUsePAM no\n"
+        f"StrictModes no\nPermitRootLogin prohibit-password\nPidFile {d}/sshd.pid\n")
+    aliases = "Host node1 node2 node-closed\n  HostName 127.0.0.1\n"
+    (d / "ssh_config").write_text(
+        f"Host node-closed\n  Port {free_port()}\n"  # nothing listens there: an unreachable host
+        f"{aliases}  Port {port}\n  User {getpass.getuser()}\n  IdentityFile {d}/client_key\n  IdentitiesOnly yes\n"
+        f"  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n")
+    (d / "bin").mkdir()
+    (d / "bin" / "ssh").write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {d}/ssh_config \"$@\"\n")
+    (d / "bin" / "ssh").chmod(0o755)
+    os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation folder
+    sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=open(d / "sshd.log", "w"))
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    path = f"{d}/bin:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    # what the remote ranks need of our environment: DeepSpeed's launcher exports the lines of DS_ENV_FILE
+    (d / "ds_env").write_text(f"PATH={path}\nOMP_NUM_THREADS=1\nHF_HUB_OFFLINE=1\nHF_DATASETS_OFFLINE=1\n")
+    env = {**os.environ, "PATH": path, "DS_ENV_FILE": str(d / "ds_env"), "OMP_NUM_THREADS": "1"}
+    try:
+        yield {"dir": d, "env": env}
+    finally:
+        sshd.terminate()  # the sshd we started, by its pid
+        sshd.wait(timeout=10)
+
+
+def test_two_nodes_over_ssh_give_the_single_process_losses(cluster, tiny, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    out = tmp_path / "multinode"
+    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 3}) + ["--deepspeed"]
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--hostfile={hostfile}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "zero-optimization.py", *argv]
+    run = check(subprocess.run(cmd, cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=600))
+    assert "node1:" in run.stdout and "node2:" in run.stdout  # pdsh ran a launcher on each "node"
+    r = results(out)
+    assert r["world_size"] == 2 and r["global_batch_size"] == 8
+    single.main(base_args(tiny, tmp_path / "single", **{"--batch-size": 4, "--grad-accum": 2}))
+    assert_close_losses(results(tmp_path / "single")["losses"], r["losses"])
+
+
+def test_preflight_passes_on_reachable_hosts_and_names_the_broken_one(cluster, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1  # first\n\nnode2 slots=1\n")
+    preflight = [sys.executable, str(ROOT / "job" / "preflight.py"), "--hostfile", str(hostfile),
+                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    run = subprocess.run(preflight, env=cluster["env"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "node1 (1 slots): ok" in run.stdout and "node2 (1 slots): ok" in run.stdout
+    hostfile.write_text("node1 slots=1\nnode-closed slots=1\n")
+    run = subprocess.run(preflight, env=cluster["env"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "node1 (1 slots): ok" in run.stdout
+    assert "node-closed (1 slots): passwordless ssh fails" in run.stdout and "ssh-copy-id node-closed" in run.stdout
+
+
+@pytest.mark.parametrize("content, message", [
+    ("node1 slots=8\nnode2 slots=eight\n", "line 2: 'node2 slots=eight': slots must be a positive whole number"),
+    ("node1 slots=8\nnode1 slots=8\n", "line 2: 'node1 slots=8': host node1 is already on line 1"),
+    ("node1 8\n", "line 1: 'node1 8': write '<host> slots=<GPUs>'"),
+    ("node1 slots=0\n", "slots must be a positive whole number"),
+    ("# only comments\n\n", "lists no hosts"),
+])
+def test_preflight_rejects_bad_hostfiles(tmp_path, content, message):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(content)
+    run = subprocess.run([sys.executable, str(ROOT / "job" / "preflight.py"), "--hostfile", str(hostfile)],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and run.stderr.startswith("error: ") and message in run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.count("\n") == 1
+
+
+def test_the_shipped_hostfile_parses():
+    sys.path.insert(0, str(ROOT / "job"))
+    import preflight
+    assert preflight.parse_hostfile(ROOT / "job" / "hostfile") == [("node1", 8), ("node2", 8)]
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_slurm_script_writes_the_hostfile_and_the_launch(tmp_path, launcher):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    (fake / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]",
+           "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "4", "DRY_RUN": "1",
+           "HOSTFILE": str(tmp_path / "hostfile"), "LAUNCHER": launcher}
+    run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "hostfile").read_text() == "gpu07 slots=4\ngpu08 slots=4\n"
+    if launcher == "deepspeed":
+        assert (f".venv/bin/deepspeed --hostfile={tmp_path}/hostfile --master_addr=gpu07 --master_port=29500 "
+                "zero-optimization.py --deepspeed --model m") in run.stdout
+    else:
+        assert ("srun --ntasks-per-node=1 .venv/bin/torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d "
+                "--rdzv_endpoint=gpu07:29500 --rdzv_id=42 zero-optimization.py --deepspeed --model m") in run.stdout
+    assert "hosts: gpu07 gpu08 (4 GPUs each" in run.stdout
+
+
+def test_slurm_script_outside_slurm_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch")], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert run.returncode == 2 and "submit with sbatch" in run.stderr
+
+
+def test_every_shell_script_parses():
+    scripts = [*ROOT.glob("job/*.sbatch"), *ROOT.glob("job/*.sh"), ROOT / ".ci" / "run"]
+    for script in scripts:
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
