@@ -360,6 +360,19 @@ def perplexity(loss):
 # ----------------------------------------------------------------------------------------------------
 # Model and optimizer helpers
 
+def load_pretrained(loader, name, **kwargs):
+    """loader.from_pretrained(name), with one line saying what to do when it cannot (no weights, unknown id, offline)."""
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if Path(name).is_dir():
+            fail(f"cannot load {name} ({first}); a model folder needs config.json, the weights (model.safetensors) "
+                 f"and the tokenizer files, as save_pretrained writes them")
+        fail(f"cannot load {name!r}: it is not a local folder, and the hub did not give it ({first}); check the id, "
+             f"the network (HF_HUB_OFFLINE), or HF_TOKEN in the environment for a gated model")
+
+
 def param_groups(model, weight_decay):
     """AdamW groups: no weight decay on biases and normalization weights (one-dimensional parameters)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -409,6 +422,34 @@ def single_process_env():
             port = s.getsockname()[1]  # a free port, so two such runs do not collide
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+
+
+def collective_timeout(seconds):
+    """A bound on every collective. init_process_group's timeout covers only the world group; DeepSpeed builds its
+    ZeRO groups with new_group(), which falls back to torch's module default (30 min on gloo, 10 on NCCL), so a
+    stuck rank would hang the others that long. Set that default too, before DeepSpeed makes its groups."""
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=seconds)
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
+def exit_if_a_rank_is_lost(main):
+    """Run main(); when a collective fails because another rank died or stopped answering (--dist-timeout), end
+    with one line instead of a traceback. The launcher then stops the other ranks, and says which one exited."""
+    try:
+        main()
+    except RuntimeError as e:
+        lost = ("timed out", "Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL error")
+        if not any(marker in str(e) for marker in lost):
+            raise
+        rank = os.environ.get("RANK", "?")
+        reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
+        raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
+                         f"answering; see the launcher's log for which, then rerun with --resume")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -475,6 +516,13 @@ def deepspeed_config(path, args, world_size, total_steps, warmup_steps, hidden_s
     leftover = [k for k, v in _walk(config) if v == "auto"]
     if leftover:
         fail(f"{path}: no flag fills {', '.join(leftover)}; give them values")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+    try:  # typos here would otherwise surface as a traceback inside deepspeed.initialize
+        DeepSpeedZeroConfig(**config["zero_optimization"])
+    except ValidationError as e:
+        error = e.errors()[0]
+        fail(f"{path}: zero_optimization.{'.'.join(map(str, error['loc']))}: {error['msg']}; fix or remove it")
     return config, has_scheduler
 
 
@@ -512,7 +560,44 @@ def prepare_output_dir(path, overwrite, resume, rank):
         fail(f"--resume: {out} has no checkpoints to resume from")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        for partial in (out / "checkpoints").glob(".tmp-*"):  # a save that was killed half-way
+            shutil.rmtree(partial, ignore_errors=True)
     return out
+
+
+def latest_checkpoint(out):
+    """The tag `checkpoints/latest` points to; it only ever points to a complete checkpoint."""
+    root = Path(out) / "checkpoints"
+    try:
+        tag = (root / "latest").read_text().strip()
+    except FileNotFoundError:
+        fail(f"--resume: {root} has no complete checkpoint (no 'latest' pointer); start over with --overwrite")
+    if not (root / tag).is_dir():
+        fail(f"--resume: {root / 'latest'} names {tag}, which is missing; point it at a step-N folder there")
+    return tag
+
+
+def publish_checkpoint(root, tag, keep):
+    """Once every rank has finished writing `.tmp-<tag>`: rename it to <tag>, then point `latest` at it (an atomic
+    replace), then delete all but the newest `keep` (0 keeps all). A kill at any moment leaves `latest` naming a
+    complete checkpoint."""
+    root = Path(root)
+    if (root / tag).exists():
+        shutil.rmtree(root / tag)
+    (root / f".tmp-{tag}").rename(root / tag)
+    (root / ".latest.tmp").write_text(tag)
+    os.replace(root / ".latest.tmp", root / "latest")
+    steps = sorted((d for d in root.glob("step-*") if d.is_dir()), key=lambda d: int(d.name.split("-")[1]))
+    for old in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_finite(losses, first_step):
+    """Stop at a NaN or inf loss, naming its step (checked before any checkpoint is written, so none holds it)."""
+    for step, loss in enumerate(losses, first_step):
+        if not math.isfinite(loss):
+            fail(f"the loss is {loss} at step {step}: training diverged (lower --lr, use bf16 rather than fp16) "
+                 f"or the model or data hold NaN/inf; the checkpoints are all from before step {step}")
 
 
 def rng_state():

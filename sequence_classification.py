@@ -30,6 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--max-length", type=int, default=512, help="tokens per text; longer texts are cut")
     # model (To-Do: your encoder; bf16 on A100/H100-class GPUs)
     p.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder of an encoder")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a model that ships its own code")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on GPUs that have it, else fp32")
     # train (To-Do: the largest --batch-size that fits, then --grad-accum; --lr)
@@ -80,10 +81,11 @@ def main(argv=None):
     train, evaluation = common.load_splits(args.dataset, args.text_column, args.seed)
     names, train, evaluation = common.class_labels(train, evaluation, args.label_column, args.dataset)
     examples = list(evaluation.select(range(min(3, len(evaluation))))[args.text_column])  # shown at the end
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
+    tokenizer = common.load_pretrained(AutoTokenizer, args.model, **remote)
     tokenize = lambda batch: tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length)
-    train, evaluation = (split.select_columns([args.text_column, "labels"])
-                         .map(tokenize, batched=True, remove_columns=[args.text_column]) for split in (train, evaluation))
+    train, evaluation = (split.select_columns([args.text_column, "labels"]).map(
+        tokenize, batched=True, remove_columns=[args.text_column]) for split in (train, evaluation))
     say(f"{len(train)} training and {len(evaluation)} eval texts, {len(names)} classes: {', '.join(names[:10])}")
 
     # -------------------------------------------------------------------------------- trainer
@@ -99,8 +101,9 @@ def main(argv=None):
         metric_for_best_model="accuracy", logging_steps=10, report_to=args.report_to, deepspeed=args.deepspeed,
         use_cpu=not cuda,  # on a machine without CUDA; without it a distributed launch miscounts the world size
         dataloader_pin_memory=cuda)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model, num_labels=len(names), id2label=dict(enumerate(names)),
+    model = common.load_pretrained(
+        AutoModelForSequenceClassification, args.model, num_labels=len(names), **remote,
+        id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)  # a fresh head for our labels
     # The classification loss is a mean over the batch and ignores `num_items_in_batch`; the Trainer (transformers
     # 5.23) would still multiply it by the number of processes, doubling the gradients on 2 ranks.
@@ -130,7 +133,7 @@ def main(argv=None):
         common.write_json(out / "results.json", results)
         say(f"accuracy {results['accuracy']:.3f} | macro-F1 {results['f1_macro']:.3f} | "
             f"eval loss {results['eval_loss']:.4f} | saved {final}")
-        classify = pipeline("text-classification", model=str(final), device=0 if cuda else -1)
+        classify = pipeline("text-classification", model=str(final), device=0 if cuda else -1, **remote)
         for text in examples:
             answer = classify(text)[0]
             say(f"{answer['label']:>12} ({answer['score']:.2f})  {text[:70]!r}")

@@ -28,6 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--no-packing", dest="packing", action="store_false", help="one text per sequence, padded")
     # model (To-Do: your model; bf16 on A100/H100-class GPUs; checkpointing when activations do not fit)
     p.add_argument("--model", default="facebook/opt-125m", help="hub id or local folder of a causal LM")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow a model that ships its own code")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on GPUs that have it, else fp32")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--output-dir", default="out/single-gpu")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints (0: none)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
     p.add_argument("--prompt", default="The food was", help="text to continue with the saved model ('' to skip)")
@@ -64,13 +66,14 @@ def main(argv=None):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     say = tqdm.write if rank == 0 else (lambda *a, **k: None)
     args.precision = common.resolve_precision(args.precision, device)
-    config = AutoConfig.from_pretrained(args.model)
+    remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
+    config = common.load_pretrained(AutoConfig, args.model, **remote)
     common.check_args(args, getattr(config, "max_position_embeddings", None))
     out = common.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     torch.manual_seed(args.seed)
 
     # -------------------------------------------------------------------------------- data
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = common.load_pretrained(AutoTokenizer, args.model, **remote)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_texts, eval_texts = common.load_splits(args.dataset, args.text_column, args.seed)
     train = common.tokenize(train_texts, tokenizer, args.text_column, args.block_size, args.packing)
@@ -84,7 +87,7 @@ def main(argv=None):
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
     # -------------------------------------------------------------------------------- model and optimizer
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # fp32 master weights
+    model = common.load_pretrained(AutoModelForCausalLM, args.model, dtype=torch.float32, **remote)  # fp32 master
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.to(device)
@@ -99,7 +102,7 @@ def main(argv=None):
 
     start_step, losses = 0, []
     if args.resume:
-        tag = (out / "checkpoints" / "latest").read_text().strip()
+        tag = common.latest_checkpoint(out)
         state = torch.load(out / "checkpoints" / tag / "state.pt", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -114,7 +117,7 @@ def main(argv=None):
         f"{total_steps} steps of {global_batch} sequences ({args.batch_size} per micro-step x {args.grad_accum} "
         f"micro-steps x {world_size} ranks) | precision {args.precision} | {device}")
     model.train()
-    pending, tokens_seen, train_time = [], 0, 0.0
+    pending, tokens_seen, train_time, skipped_steps = [], 0, 0.0, 0
     interval_start, interval_tokens = time.perf_counter(), 0
     bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=rank != 0)
     for step in bar:
@@ -130,17 +133,25 @@ def main(argv=None):
             step_loss += loss.detach()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        scaler.step(optimizer)
+        scale = scaler.get_scale() if scaler.is_enabled() else 0.0
+        scaler.step(optimizer)  # fp16: skips the update when a gradient overflowed, and lowers the scale
         scaler.update()
+        skipped_steps += scaler.is_enabled() and scaler.get_scale() < scale
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         pending.append(step_loss)
         interval_tokens += int(train.lengths[indices].sum())
 
-        if (step + 1) % args.log_every == 0 or step + 1 == total_steps:
+        log_now = (step + 1) % args.log_every == 0 or step + 1 == total_steps
+        save_now = args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps)
+        if log_now or save_now:  # the one host-device sync: bring the interval's losses over, and check them
             step_losses = torch.stack(pending)
-            losses += step_losses.tolist()  # the one host-device sync of the interval
-            pending, elapsed = [], time.perf_counter() - interval_start
+            common.check_finite(step_losses.tolist(), first_step=len(losses) + 1)
+            losses += step_losses.tolist()
+            pending = []
+
+        if log_now:
+            elapsed = time.perf_counter() - interval_start
             train_time, tokens_seen = train_time + elapsed, tokens_seen + interval_tokens
             line = (f"step {step + 1}/{total_steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                     f"{interval_tokens / elapsed:,.0f} tok/s")
@@ -152,18 +163,22 @@ def main(argv=None):
             say(line)
             interval_start, interval_tokens = time.perf_counter(), 0
 
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
-            tag, ckpt = f"step-{step + 1}", out / "checkpoints"
-            (ckpt / tag).mkdir(parents=True, exist_ok=True)
+        if save_now:  # into a temporary folder; published (renamed, then pointed to) only once complete
+            save_start, tag, ckpt = time.perf_counter(), f"step-{step + 1}", out / "checkpoints"
+            (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "step": step + 1, "losses": losses, "rng": common.rng_state()}, ckpt / tag / "state.pt")
-            (ckpt / "latest").write_text(tag)  # the pointer moves only once the checkpoint is complete
-            interval_start = time.perf_counter()  # checkpointing is not training time
+                        "step": step + 1, "losses": losses, "rng": common.rng_state()},
+                       ckpt / f".tmp-{tag}" / "state.pt")
+            if rank == 0:
+                common.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
+            interval_start += time.perf_counter() - save_start  # checkpointing is not training time
 
     # -------------------------------------------------------------------------------- evaluate
     sums = common.evaluate(model, evals, args.batch_size, pad_id, device, autocast, rank, world_size)
     eval_loss = (sums[0] / sums[1]).item()
+    if skipped_steps:
+        say(f"fp16: the loss scaler skipped {int(skipped_steps)} of {total_steps - start_step} steps (overflow)")
     say(f"eval loss {eval_loss:.4f} | perplexity {common.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
 
     # -------------------------------------------------------------------------------- save
@@ -175,14 +190,15 @@ def main(argv=None):
     results = {"losses": losses, "eval_loss": eval_loss, "perplexity": common.perplexity(eval_loss),
                "train_runtime_s": train_time, "train_tokens": tokens_seen, "tokens_per_sec": tokens_seen / train_time,
                "peak_memory_bytes": common.peak_memory_bytes(device), "params_bytes_per_rank": params_bytes,
-               "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision}
+               "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision,
+               "skipped_steps": int(skipped_steps)}
     if rank == 0:
         common.write_json(out / "results.json", results)
         common.plot_losses(losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
 
     if args.prompt and rank == 0:  # reload what was saved, as a user would, and continue the prompt
-        reloaded = AutoModelForCausalLM.from_pretrained(final).to(device).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(final, **remote).to(device).eval()
         prompt = [tokenizer.eos_token_id] + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
         generated = reloaded.generate(torch.tensor([prompt], device=device), max_new_tokens=30, do_sample=False,
                                       pad_token_id=pad_id)

@@ -1,0 +1,172 @@
+"""Benchmark our recipe against the seeds' (bench/seed_recipe.py) on the same model, data and number of sequences.
+
+    python3 bench/run.py --set cpu       # 2 CPU processes, the demo model (a few minutes on 2 cores)
+    python3 bench/run.py --set gpu       # one GPU: OPT-125m and OPT-1.3B shapes, ZeRO-0/2/3 and ZeRO-3 + offload, bf16
+    python3 bench/run.py --set tiny --out /tmp/bench   # what the tests run: seconds
+
+Writes <out>/BENCHMARKS.md (one row per run: useful tokens/s, samples/s, step time, TFLOPs and MFU on a GPU, peak
+memory per rank, final loss, and the ratio to the seeds' recipe measured in the same run) and <out>/throughput.png.
+GPU models are built from the published OPT shapes with random weights (they time exactly like trained ones).
+FLOPs per token: 6N + 12·L·H·Q·T (the PaLM appendix, as nanoGPT and torchtitan count them).
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+import plan  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def run(name, ranks=1, stage=None, offload="none", precision="fp32", packing=True, batch=8, accum=1):
+    return dict(name=name, ranks=ranks, stage=stage, offload=offload, precision=precision, packing=packing,
+                batch=batch, accum=accum)
+
+
+SETS = {  # model -> (steps, block size, [runs]); the peer runs once per model with the first run's global batch
+    "tiny": {"demo": (6, 128, [run("ZeRO-2, 2 ranks", ranks=2, stage=2, batch=4)])},
+    "cpu": {"demo": (40, 128, [run("ZeRO-2, 2 ranks", ranks=2, stage=2, batch=8),
+                               run("single process", batch=16),
+                               run("ZeRO-3, 2 ranks", ranks=2, stage=3, batch=8),
+                               run("ZeRO-3 + CPU offload, 2 ranks", ranks=2, stage=3, offload="cpu", batch=8)])},
+    "gpu": {shape: (60, 512, [run("single GPU, bf16", precision="bf16", batch=16),
+                              run("ZeRO-0, bf16", stage=0, precision="bf16", batch=16),
+                              run("ZeRO-2, bf16", stage=2, precision="bf16", batch=16),
+                              run("ZeRO-3, bf16", stage=3, precision="bf16", batch=16),
+                              run("ZeRO-3 + CPU offload, bf16", stage=3, offload="cpu", precision="bf16", batch=16)])
+            for shape in ("opt-125m", "opt-1.3b")},
+}
+
+
+def model_folder(name, out):
+    """The demo model, or an OPT shape with random weights and the demo tokenizer."""
+    if name == "demo":
+        return common.demo_assets()[1]
+    folder = out / "models" / name
+    if not (folder / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        config = plan.load_config(f"facebook/{name}")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(common.demo_assets()[1]).save_pretrained(folder)
+    return folder
+
+
+def launch(cmd, folder):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if not torch.cuda.is_available():
+        env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"error: benchmark run failed ({' '.join(map(str, cmd[:6]))} ...):\n{done.stderr[-3000:]}")
+    return json.loads((folder / "results.json").read_text())
+
+
+def ours(spec, model, steps, block, out):
+    folder = out / "runs" / spec["name"].replace(" ", "_").replace(",", "").replace("+", "plus")
+    flags = [f"--model={model}", f"--dataset={common.demo_assets()[0]}", f"--block-size={block}",
+             f"--batch-size={spec['batch']}", f"--grad-accum={spec['accum']}", f"--max-steps={steps}",
+             f"--precision={spec['precision']}", "--save-every=0", f"--log-every={steps}", "--prompt=",
+             f"--output-dir={folder}", "--overwrite"] + ([] if spec["packing"] else ["--no-packing"])
+    if spec["stage"] is None:
+        cmd = [BIN / "python", "single-gpu.py", *flags]
+    else:
+        cmd = [BIN / "deepspeed", "--num_gpus", str(spec["ranks"]), "zero-optimization.py", *flags,
+               "--deepspeed_config=ds_config_zero2.json", f"--zero-stage={spec['stage']}", f"--offload={spec['offload']}"]
+    return launch(cmd, folder)
+
+
+def peer(spec, model, steps, block, out):
+    folder = out / "runs" / "seeds_recipe"
+    max_length = min(512, plan.load_config(str(model)).max_position_embeddings)
+    cmd = [BIN / "deepspeed", "--num_gpus", str(spec["ranks"]), "bench/seed_recipe.py", f"--model={model}",
+           f"--dataset={common.demo_assets()[0]}", f"--max-length={max_length}", f"--batch-size={spec['batch']}",
+           f"--num-sequences={steps * spec['batch'] * spec['accum'] * spec['ranks']}", f"--output-dir={folder}",
+           "--deepspeed=ds_config_zero2.json"]
+    return launch(cmd, folder), max_length
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--set", default="cpu", choices=sorted(SETS))
+    p.add_argument("--out", default=str(ROOT), help="folder for BENCHMARKS.md and throughput.png")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
+    peak = common.peak_tflops(device)
+    rows = []
+    for model_name, (steps, block, specs) in SETS[args.set].items():
+        model = model_folder(model_name, out)
+        n_params = plan.count_params(plan.load_config(str(model)))[0]
+        config = plan.load_config(str(model))
+        seeds, max_length = peer(specs[0], model, steps, block, out)
+        rows.append(dict(model=model_name, run=f"seeds' recipe (Trainer, padded to {max_length}, fp32)",
+                         ranks=specs[0]["ranks"], stage="2", offload="none", precision="fp32", packing="no",
+                         batch=f"{specs[0]['batch']} x 1", result=seeds, seq=max_length, ratio=1.0))
+        for spec in specs:
+            r = ours(spec, model, steps, block, out)
+            rows.append(dict(model=model_name, run=spec["name"], ranks=spec["ranks"],
+                             stage="-" if spec["stage"] is None else str(spec["stage"]), offload=spec["offload"],
+                             precision=r["precision"], packing="yes" if spec["packing"] else "no",
+                             batch=f"{spec['batch']} x {spec['accum']}", result=r, seq=block,
+                             ratio=r["tokens_per_sec"] / seeds["tokens_per_sec"]))
+        for row in rows[-len(specs) - 1:]:
+            r = row["result"]
+            steps_done = r.get("steps", len(r["losses"]))
+            row["samples_per_sec"] = steps_done * r["global_batch_size"] / r["train_runtime_s"]
+            row["step_time"] = r["train_runtime_s"] / steps_done
+            tflops = common.flops_per_token(config, row["seq"], n_params) * r["tokens_per_sec"] / r["world_size"] / 1e12
+            row["tflops"], row["mfu"] = (tflops, tflops / peak) if peak else (None, None)
+    write_report(rows, out, args.set, device_name)
+    return rows
+
+
+def write_report(rows, out, name, device_name):
+    date = datetime.date.today().isoformat()
+    lines = [f"# Benchmarks: set `{name}`, {device_name}, {date}", "",
+             "Useful tokens/s counts real (non-padding) tokens trained on, all ranks together; x seeds is the ratio to "
+             "the seeds' recipe (HF Trainer + DeepSpeed ZeRO-2, every text padded to max length, fp32) on the same "
+             "model, data and number of sequences, measured in the same run. TFLOPs and MFU (6N + 12·L·H·Q·T FLOPs "
+             "per token against the GPU's dense bf16 peak) on GPUs only. Peak memory: rank 0 (GPU allocated, or the "
+             "process's resident memory on CPU).", "",
+             "| model | run | ranks | ZeRO | offload | precision | packing | micro-batch x accum | useful tok/s "
+             "| samples/s | step time (s) | TFLOPs/GPU | MFU | peak mem/rank (GiB) | final loss | x seeds |",
+             "|" + "---|" * 16]
+    for row in rows:
+        r = row["result"]
+        tflops = f"{row['tflops']:.0f}" if row["tflops"] is not None else "-"
+        mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
+        lines.append(f"| {row['model']} | {row['run']} | {row['ranks']} | {row['stage']} | {row['offload']} | "
+                     f"{row['precision']} | {row['packing']} | {row['batch']} | {r['tokens_per_sec']:,.0f} | "
+                     f"{row['samples_per_sec']:.1f} | {row['step_time']:.3f} | {tflops} | {mfu} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.2f} | {r['losses'][-1]:.3f} | {row['ratio']:.1f}x |")
+    (out / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    labels = [f"{row['model']}: {row['run']}" for row in rows]
+    ax.barh(labels, [row["result"]["tokens_per_sec"] for row in rows],
+            color=["tab:gray" if row["run"].startswith("seeds") else "tab:blue" for row in rows])
+    ax.invert_yaxis()
+    ax.set(xlabel="useful tokens per second", title=f"{device_name}, {date}")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=100)
+    plt.close(fig)
+    print("\n".join(lines[4:]))
+
+
+if __name__ == "__main__":
+    main()
