@@ -98,7 +98,7 @@ def peer(spec, model, steps, block, out):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", default="cpu", choices=sorted(SETS))
-    p.add_argument("--out", default=str(ROOT), help="folder for BENCHMARKS.md and throughput.png")
+    p.add_argument("--out", default=str(ROOT / "bench"), help="folder for BENCHMARKS.md and throughput.png")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,6 +141,9 @@ def write_report(rows, out, name, device_name):
              "model, data and number of sequences, measured in the same run. TFLOPs and MFU (6N + 12·L·H·Q·T FLOPs "
              "per token against the GPU's dense bf16 peak) on GPUs only. Peak memory: rank 0 (GPU allocated, or the "
              "process's resident memory on CPU).", "",
+             *([] if "CPU" not in device_name else [
+                 "CPU figures (no GPU was lent to the session that made them): `python3 bench/run.py --set gpu` on a "
+                 "GPU machine adds the OPT-125m and OPT-1.3B shapes with TFLOPs and MFU.", ""]),
              "| model | run | ranks | ZeRO | offload | precision | packing | micro-batch x accum | useful tok/s "
              "| samples/s | step time (s) | TFLOPs/GPU | MFU | peak mem/rank (GiB) | final loss | x seeds |",
              "|" + "---|" * 16]
