@@ -659,15 +659,15 @@ def flops_per_token(config, seq_len, num_params):
     return 6 * num_params + 12 * layers * hidden * seq_len
 
 
-def compare_runs(a, b, first=10):
+def compare_runs(a, b, first=5):
     """Print how two runs' losses agree (make demo: single-gpu.py vs zero-optimization.py on the same batches)."""
     ra, rb = (json.loads((Path(d) / "results.json").read_text()) for d in (a, b))
     la, lb = np.array(ra["losses"]), np.array(rb["losses"])
-    n = min(len(la), len(lb), first)
+    n = min(len(la), len(lb))
     rel = np.abs(la[:n] - lb[:n]) / np.abs(la[:n])
-    print(f"{a}: {ra['world_size']} rank(s), final loss {la[-1]:.4f}, eval loss {ra['eval_loss']:.4f}, "
-          f"{ra['tokens_per_sec']:,.0f} tok/s")
-    print(f"{b}: {rb['world_size']} rank(s), final loss {lb[-1]:.4f}, eval loss {rb['eval_loss']:.4f}, "
-          f"{rb['tokens_per_sec']:,.0f} tok/s")
-    print(f"same global batches: the first {n} step losses agree to {rel.max():.1e} (relative); later steps drift "
-          f"as fp32 rounding differences grow under Adam, as they do between any two reduction orders")
+    for d, r, losses in ((a, ra, la), (b, rb, lb)):
+        print(f"{d}: {r['world_size']} rank(s), final loss {losses[-1]:.4f}, eval loss {r['eval_loss']:.4f}, "
+              f"{r['tokens_per_sec']:,.0f} tok/s")
+    print(f"same global batches: step losses agree to {rel[:first].max():.1e} (relative) over the first {first} "
+          f"steps, {rel.max():.1e} at most over all {n}: fp32 rounding differences (another reduction order) grow "
+          f"under Adam at the demo's high learning rate; the tests hold ZeRO 0-3 to 1e-5 at a lower one")
