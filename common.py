@@ -577,6 +577,15 @@ def latest_checkpoint(out):
     return tag
 
 
+def check_checkpoint_ranks(folder, world_size):
+    """A ZeRO checkpoint holds one shard of the optimizer state per rank: resume it with as many ranks as wrote it
+    (each rank also wrote its RNG state, rng-<rank>.pt, which tells how many)."""
+    saved = len(list(Path(folder).glob("rng-*.pt")))
+    if saved != world_size:
+        fail(f"--resume: {folder} was written by {saved} ranks and this run has {world_size}; resume with {saved} "
+             f"(resharding ZeRO's optimizer state to another number of ranks is not supported yet)")
+
+
 def publish_checkpoint(root, tag, keep):
     """Once every rank has finished writing `.tmp-<tag>`: rename it to <tag>, then point `latest` at it (an atomic
     replace), then delete all but the newest `keep` (0 keeps all). A kill at any moment leaves `latest` naming a

@@ -121,6 +121,7 @@ def main(argv=None):
     start_step, losses = 0, []
     if args.resume:
         tag = common.latest_checkpoint(out)
+        common.check_checkpoint_ranks(out / "checkpoints" / tag, world_size)  # ZeRO: shards are per rank
         _, state = model.load_checkpoint(out / "checkpoints", tag)  # ZeRO: every rank loads its shards
         start_step, losses = state["step"], state["losses"]
         common.set_rng_state(torch.load(out / "checkpoints" / tag / f"rng-{rank}.pt", weights_only=False))  # ZeRO

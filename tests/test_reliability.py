@@ -101,6 +101,17 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(tiny, tmp_p
     assert "Traceback" not in log
 
 
+def test_resuming_on_another_number_of_ranks_is_one_line(tiny, tmp_path):
+    out = tmp_path / "run"
+    check(launch("deepspeed", "zero-optimization.py",
+                  base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2}) + ["--deepspeed"]))
+    crash_after_first_checkpoint(out)
+    run = launch("python", "zero-optimization.py",
+                 base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 2}) + ["--resume"])
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "was written by 2 ranks and this run has 1; resume with 2" in run.stderr.strip().splitlines()[-1]
+
+
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tiny, tmp_path):
     out = tmp_path / "run"
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
