@@ -437,9 +437,12 @@ def collective_timeout(seconds):
     return timeout
 
 
-def exit_if_a_rank_is_lost(main):
-    """Run main(); when a collective fails because another rank died or stopped answering (--dist-timeout), end
-    with one line instead of a traceback. The launcher then stops the other ranks, and says which one exited."""
+def run_distributed(main):
+    """Run main() of a distributed script. When a collective fails because another rank died or stopped answering
+    (--dist-timeout), end with one line instead of a traceback; the launcher then stops the other ranks and says which
+    one exited. After a successful run, leave without the interpreter's teardown: all outputs are written by then,
+    and a native thread of the communication stack occasionally aborts the process there ("terminate called without
+    an active exception", exit 250), which a launcher would report as a failed run."""
     try:
         main()
     except RuntimeError as e:
@@ -450,6 +453,13 @@ def exit_if_a_rank_is_lost(main):
         reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
         raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
                          f"answering; see the launcher's log for which, then rerun with --resume")
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------------------------------

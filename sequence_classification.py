@@ -143,4 +143,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.run_distributed(main)  # one line if a rank is lost; no teardown abort after a good run

@@ -228,4 +228,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.exit_if_a_rank_is_lost(main)  # ZeRO: one line, not a traceback from every rank
+    common.run_distributed(main)  # ZeRO: one line, not a traceback from every rank, if a rank is lost
