@@ -14,6 +14,8 @@ import os
 import random
 import resource
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -587,13 +589,63 @@ def latest_checkpoint(out):
     return tag
 
 
-def check_checkpoint_ranks(folder, world_size):
-    """A ZeRO checkpoint holds one shard of the optimizer state per rank: resume it with as many ranks as wrote it
-    (each rank also wrote its RNG state, rng-<rank>.pt, which tells how many)."""
-    saved = len(list(Path(folder).glob("rng-*.pt")))
-    if saved != world_size:
-        fail(f"--resume: {folder} was written by {saved} ranks and this run has {world_size}; resume with {saved} "
-             f"(resharding ZeRO's optimizer state to another number of ranks is not supported yet)")
+def check_resume(folder, args, world_size, zero_stage=None):
+    """What the checkpoint was written with (its run.json). The batch order is a function of the step and the global
+    batch, so a resume that changes the global batch would train on other data: refuse it; and a change of ZeRO
+    stage (each stage lays its files out differently)."""
+    try:
+        saved = json.loads((Path(folder) / "run.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        fail(f"--resume: {folder} has no readable run.json (written by an older version?); start over with --overwrite")
+    want, per_micro_step = saved["global_batch_size"], args.batch_size * world_size
+    if args.batch_size * args.grad_accum * world_size != want:
+        hint = (f"--grad-accum {want // per_micro_step}" if want % per_micro_step == 0
+                else "--batch-size and --grad-accum")
+        fail(f"--resume: {folder} trained on global batches of {want} sequences and this run makes "
+             f"{args.batch_size} x {args.grad_accum} micro-steps x {world_size} ranks = "
+             f"{args.batch_size * args.grad_accum * world_size}; pass {hint} to make {want}, or the steps would see "
+             f"other data")
+    if zero_stage is not None and saved["zero_stage"] != zero_stage:
+        fail(f"--resume: {folder} was written with ZeRO stage {saved['zero_stage']} and this run has stage "
+             f"{zero_stage}; resume with --zero-stage {saved['zero_stage']} (another number of ranks is fine)")
+    return saved
+
+
+def universal_checkpoint(folder, rank):
+    """DeepSpeed's universal form of a ZeRO checkpoint, for a resume on another number of ranks:
+    each parameter's fp32 weights and Adam moments, whole, in <folder>/universal; DeepSpeed cuts them into this
+    run's shards as it loads them. Rank 0 converts once (DeepSpeed's ds_to_universal), into a temporary folder that
+    it renames when done; the other ranks wait. Returns the folder to load, or `folder` itself when it holds no
+    optimizer shards (ZeRO-0 in fp32 saves the whole optimizer state, which loads on any number of ranks)."""
+    import torch.distributed as dist
+    folder = Path(folder)
+    target = folder / "universal"
+    if not list(folder.glob("*optim_states.pt")):
+        return folder
+    if rank == 0 and not target.exists():
+        partial = folder / ".tmp-universal"
+        shutil.rmtree(partial, ignore_errors=True)
+        # our checkpoints carry no Megatron tensor-parallel metadata: --inject_missing_state adds the empty default
+        convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                                  "--input_folder", str(folder), "--output_folder", str(partial),
+                                  "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                                 capture_output=True, text=True)
+        if convert.returncode != 0:
+            last = (convert.stderr.strip() or convert.stdout.strip() or "no output").splitlines()[-1]
+            fail(f"--resume: DeepSpeed could not convert {folder} to a universal checkpoint ({last}); resume with "
+                 f"the number of ranks that wrote it")
+        partial.rename(target)
+    dist.barrier()  # the other ranks load what rank 0 converted
+    return target
+
+
+def restore_rng(folder, rank, seed, step):
+    """Each rank's random state (dropout) as saved; a rank the checkpoint did not have starts a fresh stream."""
+    path = Path(folder) / f"rng-{rank}.pt"
+    if path.exists():
+        set_rng_state(torch.load(path, weights_only=False))
+    else:
+        torch.manual_seed(seed + 1_000_003 * step + rank)
 
 
 def publish_checkpoint(root, tag, keep):

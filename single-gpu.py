@@ -103,6 +103,7 @@ def main(argv=None):
     start_step, losses = 0, []
     if args.resume:
         tag = common.latest_checkpoint(out)
+        common.check_resume(out / "checkpoints" / tag, args, world_size)
         state = torch.load(out / "checkpoints" / tag / "state.pt", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -171,6 +172,8 @@ def main(argv=None):
                         "step": step + 1, "losses": losses, "rng": common.rng_state()},
                        ckpt / f".tmp-{tag}" / "state.pt")
             if rank == 0:
+                common.write_json(ckpt / f".tmp-{tag}" / "run.json", {  # what a resume checks
+                    "step": step + 1, "global_batch_size": global_batch, "world_size": world_size})
                 common.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
             interval_start += time.perf_counter() - save_start  # checkpointing is not training time
 

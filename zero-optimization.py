@@ -106,6 +106,14 @@ def main(argv=None):
     ds_path = args.deepspeed_config or common.HERE / "ds_config_zero3.json"
     ds_config, ds_has_scheduler = common.deepspeed_config(ds_path, args, world_size, total_steps, warmup_steps,
                                                           config.hidden_size)
+    if args.resume:  # ZeRO: from another number of ranks, load DeepSpeed's universal form of the checkpoint
+        tag = common.latest_checkpoint(out)
+        load_from, stage = out / "checkpoints" / tag, ds_config["zero_optimization"].get("stage", 0)
+        saved = common.check_resume(load_from, args, world_size, stage)
+        if saved["world_size"] != world_size:
+            load_from = common.universal_checkpoint(load_from, rank)
+            if load_from.name == "universal":
+                ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     keep_alive = HfDeepSpeedConfig(ds_config)  # ZeRO-3: from_pretrained loads each rank's shard, never a full copy
     model = common.load_pretrained(AutoModelForCausalLM, args.model, dtype=torch.float32, **remote)  # fp32 master
     if args.gradient_checkpointing:
@@ -120,12 +128,14 @@ def main(argv=None):
 
     start_step, losses = 0, []
     if args.resume:
-        tag = common.latest_checkpoint(out)
-        common.check_checkpoint_ranks(out / "checkpoints" / tag, world_size)  # ZeRO: shards are per rank
-        _, state = model.load_checkpoint(out / "checkpoints", tag)  # ZeRO: every rank loads its shards
+        _, state = model.load_checkpoint(load_from.parent, load_from.name)  # ZeRO: every rank loads its shards
         start_step, losses = state["step"], state["losses"]
-        common.set_rng_state(torch.load(out / "checkpoints" / tag / f"rng-{rank}.pt", weights_only=False))  # ZeRO
+        common.restore_rng(out / "checkpoints" / tag, rank, args.seed, start_step)  # ZeRO: each rank has its own
         say(f"resumed from {tag}: step {start_step} of {total_steps}")
+        if saved["world_size"] != world_size:  # ZeRO
+            say(f"  {tag} was written by {saved['world_size']} ranks and loaded on {world_size}: " +
+                (f"DeepSpeed resharded ZeRO's optimizer state from {load_from}" if load_from.name == "universal"
+                 else "ZeRO-0 saves the whole optimizer state, nothing to reshard"))
 
     # -------------------------------------------------------------------------------- train
     say(f"{n_params / 1e6:.1f}M parameters | {len(train)} sequences of <= {args.block_size} tokens | "
@@ -184,6 +194,9 @@ def main(argv=None):
                                   save_latest=False)
             dist.barrier()  # ZeRO: every rank has finished writing
             if rank == 0:
+                common.write_json(ckpt / f".tmp-{tag}" / "run.json", {  # what a resume checks
+                    "step": step + 1, "global_batch_size": global_batch, "world_size": world_size,
+                    "zero_stage": model.zero_optimization_stage()})  # ZeRO
                 common.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
             interval_start += time.perf_counter() - save_start  # checkpointing is not training time
 

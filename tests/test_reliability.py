@@ -101,15 +101,51 @@ def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(tiny, tmp_p
     assert "Traceback" not in log
 
 
-def test_resuming_on_another_number_of_ranks_is_one_line(tiny, tmp_path):
+@pytest.mark.parametrize("stage, saved_by, resumed_on", [(2, 2, 1), (3, 1, 2), (0, 2, 1)])
+def test_resume_on_another_number_of_ranks_gives_the_uninterrupted_run(tiny, tmp_path, stage, saved_by, resumed_on):
+    """The same global batch of 8 sequences (2 per micro-step x 4 // ranks micro-steps x ranks) on 1 or 2 ranks."""
+    out, FC1 = tmp_path / "run", "model.decoder.layers.0.fc1.weight"
+
+    def run(ranks, *extra):
+        argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 4 // ranks, "--zero-stage": stage})
+        return check(launch("deepspeed" if ranks > 1 else "python", "zero-optimization.py",
+                            argv + ["--deepspeed", *extra], nproc=ranks))
+
+    run(saved_by)
+    full, full_weights = results(out), weights(out / "final")
+    crash_after_first_checkpoint(out)  # latest -> step-2, written by `saved_by` ranks
+    resumed = run(resumed_on, "--resume")
+    assert f"step-2 was written by {saved_by} ranks and loaded on {resumed_on}: " in resumed.stdout
+    universal = out / "checkpoints" / "step-2" / "universal"
+    if stage == 0:  # nothing is sharded: the checkpoint loads as it is
+        assert "ZeRO-0 saves the whole optimizer state" in resumed.stdout and not universal.exists()
+    else:  # one file per parameter and state, whole, made by DeepSpeed's ds_to_universal
+        assert "DeepSpeed resharded ZeRO's optimizer state" in resumed.stdout
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            whole = torch.load(universal / "zero" / FC1 / f"{state}.pt", weights_only=False)
+            whole = whole["param"] if isinstance(whole, dict) else whole  # ZeRO-3's are flat
+            assert whole.numel() == full_weights[FC1].numel()
+    assert json.loads((out / "checkpoints" / "step-4" / "run.json").read_text())["world_size"] == resumed_on
+    assert_close_losses(full["losses"], results(out)["losses"], rtol=1e-5)
+    assert_same_weights(full_weights, weights(out / "final"), atol=1e-5)
+
+
+def test_a_resume_that_changes_the_global_batch_or_the_stage_is_one_line(tiny, tmp_path):
     out = tmp_path / "run"
-    check(launch("deepspeed", "zero-optimization.py",
-                  base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2}) + ["--deepspeed"]))
+    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2})
+    check(launch("deepspeed", "zero-optimization.py", argv + ["--deepspeed"]))
     crash_after_first_checkpoint(out)
-    run = launch("python", "zero-optimization.py",
-                 base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 2}) + ["--resume"])
-    assert run.returncode != 0 and "Traceback" not in run.stderr
-    assert "was written by 2 ranks and this run has 1; resume with 2" in run.stderr.strip().splitlines()[-1]
+    for changed, message in [
+        ({"--grad-accum": 2}, "trained on global batches of 8 sequences and this run makes 2 x 2 micro-steps x 1 "
+                              "ranks = 4; pass --grad-accum 4 to make 8"),
+        ({"--grad-accum": 4, "--zero-stage": 3}, "was written with ZeRO stage 2 and this run has stage 3; resume with "
+                                                 "--zero-stage 2"),
+    ]:
+        run = launch("python", "zero-optimization.py",
+                     base_args(tiny, out, **{"--batch-size": 2, "--zero-stage": 2, **changed}) + ["--resume"])
+        assert run.returncode != 0 and "Traceback" not in run.stderr
+        assert message in run.stderr.strip().splitlines()[-1], run.stderr[-2000:]
+    assert not (out / "checkpoints" / "step-2" / "universal").exists()  # refused before any conversion
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tiny, tmp_path):
