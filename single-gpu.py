@@ -32,6 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on GPUs that have it, else fp32")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
+    p.add_argument("--compile", action="store_true", help="torch.compile: faster steps after a slow first one")
     # train (To-Do: the largest --batch-size that fits, then --grad-accum for the global batch you want; --lr)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -97,6 +98,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     autocast = (contextlib.nullcontext() if args.precision == "fp32"
                 else torch.autocast(device.type, dtype=common.AMP_DTYPES[args.precision]))
+    if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
+        model.compile()
     n_params = common.count_params(model)
     flops_per_token = common.flops_per_token(config, args.block_size, n_params)
 
@@ -118,7 +121,7 @@ def main(argv=None):
         f"{total_steps} steps of {global_batch} sequences ({args.batch_size} per micro-step x {args.grad_accum} "
         f"micro-steps x {world_size} ranks) | precision {args.precision} | {device}")
     model.train()
-    pending, tokens_seen, train_time, skipped_steps = [], 0, 0.0, 0
+    pending, tokens_seen, train_time, skipped_steps, intervals = [], 0, 0.0, 0, []
     interval_start, interval_tokens = time.perf_counter(), 0
     bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=rank != 0)
     for step in bar:
@@ -154,6 +157,7 @@ def main(argv=None):
         if log_now:
             elapsed = time.perf_counter() - interval_start
             train_time, tokens_seen = train_time + elapsed, tokens_seen + interval_tokens
+            intervals.append([step + 1, elapsed, interval_tokens])  # throughput over time, for bench/
             line = (f"step {step + 1}/{total_steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                     f"{interval_tokens / elapsed:,.0f} tok/s")
             peak = common.peak_tflops(device)
@@ -192,7 +196,8 @@ def main(argv=None):
     params_bytes = [common.params_held_bytes(model)]
     results = {"losses": losses, "eval_loss": eval_loss, "perplexity": common.perplexity(eval_loss),
                "train_runtime_s": train_time, "train_tokens": tokens_seen, "tokens_per_sec": tokens_seen / train_time,
-               "peak_memory_bytes": common.peak_memory_bytes(device), "params_bytes_per_rank": params_bytes,
+               "log_intervals": intervals, "peak_memory_bytes": common.peak_memory_bytes(device),
+               "params_bytes_per_rank": params_bytes,
                "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision,
                "skipped_steps": int(skipped_steps)}
     if rank == 0:

@@ -37,6 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 on GPUs that have it, else fp32")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
+    p.add_argument("--compile", action="store_true", help="torch.compile: faster steps after a slow first one")
     # train (To-Do: the largest --batch-size that fits, then --grad-accum for the global batch you want; --lr)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -123,6 +124,8 @@ def main(argv=None):
         model=model, model_parameters=common.param_groups(model, args.weight_decay), config=ds_config,
         lr_scheduler=None if ds_has_scheduler else schedule)
     autocast = contextlib.nullcontext()  # ZeRO: the engine keeps bf16/fp16 weights itself
+    if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
+        model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
     n_params = common.count_params(model)
     flops_per_token = common.flops_per_token(config, args.block_size, n_params)
 
@@ -142,7 +145,7 @@ def main(argv=None):
         f"{total_steps} steps of {global_batch} sequences ({args.batch_size} per micro-step x {args.grad_accum} "
         f"micro-steps x {world_size} ranks) | precision {args.precision} | {device}")
     model.train()
-    pending, tokens_seen, train_time, skipped_steps = [], 0, 0.0, 0
+    pending, tokens_seen, train_time, skipped_steps, intervals = [], 0, 0.0, 0, []
     interval_start, interval_tokens = time.perf_counter(), 0
     bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=rank != 0)
     for step in bar:
@@ -174,6 +177,7 @@ def main(argv=None):
         if log_now:
             elapsed = time.perf_counter() - interval_start
             train_time, tokens_seen = train_time + elapsed, tokens_seen + interval_tokens
+            intervals.append([step + 1, elapsed, interval_tokens])  # throughput over time, for bench/
             line = (f"step {step + 1}/{total_steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                     f"{interval_tokens / elapsed:,.0f} tok/s")
             peak = common.peak_tflops(device)
@@ -221,7 +225,8 @@ def main(argv=None):
     dist.all_gather_object(params_bytes, common.params_held_bytes(model))  # ZeRO: what each rank holds
     results = {"losses": losses, "eval_loss": eval_loss, "perplexity": common.perplexity(eval_loss),
                "train_runtime_s": train_time, "train_tokens": tokens_seen, "tokens_per_sec": tokens_seen / train_time,
-               "peak_memory_bytes": common.peak_memory_bytes(device), "params_bytes_per_rank": params_bytes,
+               "log_intervals": intervals, "peak_memory_bytes": common.peak_memory_bytes(device),
+               "params_bytes_per_rank": params_bytes,
                "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision,
                "skipped_steps": int(skipped_steps)}
     if rank == 0:

@@ -18,10 +18,14 @@ import common  # noqa: E402
 
 
 class TrainingTime(TrainerCallback):
-    """Seconds between the first and the last step, as the training scripts count: not the engine's set-up."""
+    """Seconds from the end of step `warmup` to the end of training (the steady state, as bench/run.py times ours)."""
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
+    def __init__(self, warmup):
+        self.warmup = warmup
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup:
+            self.start = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.seconds = time.perf_counter() - self.start
@@ -35,6 +39,7 @@ def main():
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--num-sequences", type=int, required=True)
+    p.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the timing")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--deepspeed", help="DeepSpeed config (the seeds used ZeRO through the Trainer)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -57,15 +62,18 @@ def main():
         save_strategy="no", logging_steps=10**9, deepspeed=args.deepspeed, use_cpu=not cuda, disable_tqdm=True)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.accepts_loss_kwargs = False  # a mean per batch, as in the seeds (see sequence_classification.py)
-    clock = TrainingTime()
+    warmup = min(args.warmup_steps, training_args.max_steps - 1)
+    clock = TrainingTime(warmup)
     trainer = Trainer(model=model, args=training_args, train_dataset=rows, callbacks=[clock])
     out = trainer.train()
     runtime = clock.seconds
     steps = training_args.max_steps
     useful = sum(sum(r["attention_mask"]) for r in rows[:steps * args.batch_size * world_size])
+    # every step costs the same (all padded to --max-length), so the steady steps train the mean useful tokens each
+    steady = dict(steps=steps - warmup, seconds=runtime, tokens=useful * (steps - warmup) / steps)
     if int(os.environ.get("RANK", 0)) == 0:
         common.write_json(Path(args.output_dir) / "results.json", {
-            "tokens_per_sec": useful / runtime, "train_tokens": useful, "train_runtime_s": runtime,
+            "steady": steady, "train_tokens": useful,
             "losses": [out.training_loss], "world_size": world_size, "global_batch_size": args.batch_size * world_size,
             "steps": steps, "peak_memory_bytes": common.peak_memory_bytes(torch.device("cuda" if cuda else "cpu")),
             "padded_tokens": steps * args.batch_size * world_size * args.max_length})

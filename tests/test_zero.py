@@ -62,6 +62,21 @@ def test_zero3_resume_continues_with_identical_losses(tiny, tmp_path):
     assert_same_weights(full_weights, weights(out / "final"), atol=1e-6)
 
 
+@pytest.mark.parametrize("script", ["single-gpu.py", ZERO])
+def test_compile_changes_the_kernels_not_the_run(tiny, tmp_path, reference, script):
+    """--compile: model.compile() in single-gpu.py, the engine's compile under ZeRO-2 on 2 ranks."""
+    out, cache = tmp_path / "run", tmp_path / "inductor"
+    if script == ZERO:
+        argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2}) + ["--deepspeed"]
+    else:
+        argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
+    check(launch("deepspeed" if script == ZERO else "python", script, argv + ["--compile"],
+                 env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
+    assert len(list(cache.rglob("*.py"))) > 0  # inductor generated the kernels: the model did run compiled
+    assert_close_losses(reference[0]["losses"], results(out)["losses"])
+    assert_same_weights(reference[1], weights(out / "final"))
+
+
 def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
     out = tmp_path / "run"
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 2})
