@@ -455,13 +455,23 @@ def run_distributed(main):
         reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
         raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
                          f"answering; see the launcher's log for which, then rerun with --resume")
+    remove_shm_buffer()
     import logging
-    import sys
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def remove_shm_buffer():
+    """DeepSpeed's CPU all-reduce (its shm_comm op, used when all ranks share one machine) maps a 66 MB file per rank
+    in /dev/shm and, in 0.19.8, never removes it (its shared_close is never called): the files pile up in memory with
+    every run on a new port. Each rank removes its own once the run has succeeded: every rank mapped them all at
+    start-up, and a mapping outlives the name."""
+    env = os.environ.get
+    Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env('MASTER_ADDR', '')}_{env('MASTER_PORT', '')}_"
+         f"{env('RANK', '')}").unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------------

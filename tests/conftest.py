@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,19 @@ def launch(launcher, script, argv, nproc=2, timeout=600, env=None):
         cmd = [sys.executable, script]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     result = subprocess.run(cmd + argv, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result.port = port
     return result
+
+
+@pytest.fixture(autouse=True)
+def no_shm_buffers_left():
+    """What a test's runs leave in /dev/shm (DeepSpeed's CPU all-reduce buffers, 66 MB a rank; a run that ends well
+    removes its own, a killed one cannot): removed after each test, or a session would fill the machine's memory."""
+    start = time.time()
+    yield
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        if leftover.stat().st_mtime >= start - 1:
+            leftover.unlink(missing_ok=True)
 
 
 def check(result):

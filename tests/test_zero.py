@@ -1,6 +1,7 @@
 """zero-optimization.py under the real launchers on 2 CPU processes (gloo): the same losses and weights as
 single-gpu.py on the same global batches, for every ZeRO stage and offload; sharding, export, resume, errors."""
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +29,10 @@ def reference(tiny, tmp_path_factory):
 def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage, offload):
     out = tmp_path / "run"
     argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--offload": offload})
-    check(launch(launcher, ZERO, argv + ["--deepspeed"]))
+    run = check(launch(launcher, ZERO, argv + ["--deepspeed"]))
     ref, ref_weights = reference
+    if launcher == "deepspeed":  # each rank removed DeepSpeed's shared-memory buffer (it never does)
+        assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{run.port}_*"))
     r = results(out)
     assert r["world_size"] == 2 and r["global_batch_size"] == 8
     assert_close_losses(ref["losses"], r["losses"])
