@@ -621,6 +621,21 @@ def check_resume(folder, args, world_size, zero_stage=None):
     return saved
 
 
+def check_trainer_resume(folder, world_size, deepspeed):
+    """The HF Trainer resumes from its newest checkpoint-N. Under DeepSpeed that holds one optimizer shard per rank,
+    which the Trainer loads as it is: another number of ranks would end in DeepSpeed's traceback on every rank."""
+    from transformers.trainer_utils import get_last_checkpoint
+    last = get_last_checkpoint(str(folder))
+    if last is None:
+        fail(f"--resume: {folder} holds no checkpoint-N yet (the Trainer saves one at the end of each epoch); start "
+             f"over with --overwrite")
+    saved = len(list(Path(last).glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
+    if deepspeed and saved != world_size:
+        fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with {saved} (the "
+             f"Trainer loads DeepSpeed's optimizer shards as they are; zero-optimization.py can change the number)")
+    return Path(last)
+
+
 def universal_checkpoint(folder, rank):
     """DeepSpeed's universal form of a ZeRO checkpoint, for a resume on another number of ranks:
     each parameter's fp32 weights and Adam moments, whole, in <folder>/universal; DeepSpeed cuts them into this

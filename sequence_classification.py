@@ -73,8 +73,11 @@ def main(argv=None):
     if args.deepspeed and not os.path.isfile(args.deepspeed):
         common.fail(f"DeepSpeed config {args.deepspeed} does not exist; pass --deepspeed with a JSON file")
     out = common.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    if args.resume:
+        say(f"resuming from {common.check_trainer_resume(out / 'checkpoints', world_size, args.deepspeed).name}")
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         import deepspeed
+        common.single_process_env()  # a plain `python3` run is a world of one (DeepSpeed would look for MPI)
         deepspeed.init_distributed()
 
     # -------------------------------------------------------------------------------- data

@@ -217,7 +217,7 @@ def write_report(rows, out, name, device_name):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-    labels = [f"{row['model']}: {row['run']}" for row in rows]
+    labels = [f"{row['model']}: {row['run'].split(': did not run')[0]}" for row in rows]
     ax.barh(labels, [tokens_per_sec(row["result"]) if row["result"] else 0 for row in rows],
             color=["tab:gray" if row["run"].startswith("seeds") else "tab:blue" for row in rows])
     ax.invert_yaxis()

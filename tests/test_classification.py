@@ -1,6 +1,7 @@
 """sequence_classification.py: string labels, both shipped DeepSpeed configs on 2 processes, the saved model behind
 pipeline(), one process without DeepSpeed, and bad input."""
 import csv
+import shutil
 
 import pytest
 from transformers import pipeline
@@ -53,6 +54,41 @@ def test_two_processes_with_each_shipped_config(sentiment, tmp_path, config):
     assert "accuracy" in run.stdout and ("positive (" in run.stdout or "negative (" in run.stdout)
     classify = pipeline("text-classification", model=str(out / "final"))  # gathered from the shards under ZeRO-3
     assert classify("Our server was friendly. I would come back.")[0]["label"] in {"negative", "positive"}
+
+
+def test_resume_after_a_crash_and_on_another_number_of_ranks(sentiment, tmp_path):
+    """ZeRO-2 on 2 ranks, 1 epoch per checkpoint; a crash after the first; a resume on 1 rank is one line (the Trainer
+    loads DeepSpeed's shards as they are), a resume on 2 finishes the run."""
+    out = tmp_path / "run"
+    args = argv(sentiment, out, "--deepspeed", "ds_config_zero2.json")
+    args[args.index("--batch-size") + 1] = "8"
+    check(launch("deepspeed", "sequence_classification.py", args))
+    first = sorted((out / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
+    for done in [out / "results.json", out / "final", *(p for p in (out / "checkpoints").glob("checkpoint-*")
+                                                        if p != first)]:
+        shutil.rmtree(done) if done.is_dir() else done.unlink()
+    one = launch("python", "sequence_classification.py", args + ["--resume"])
+    assert one.returncode != 0 and "Traceback" not in one.stderr
+    assert (f"{first} was written by 2 ranks and this run has 1; resume with 2"
+            in one.stderr.strip().splitlines()[-1]), one.stderr[-2000:]
+    two = check(launch("deepspeed", "sequence_classification.py", args + ["--resume"]))
+    assert f"resuming from {first.name}" in two.stdout
+    r = results(out)
+    assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
+
+
+def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path):
+    """`python3 sequence_classification.py --deepspeed ...` on one GPU: no launcher, so no MPI lookup either."""
+    run = check(launch("python", "sequence_classification.py",
+                       argv(sentiment, tmp_path / "run", "--deepspeed", "ds_config_zero2.json")))
+    r = results(tmp_path / "run")
+    assert r["world_size"] == 1 and r["accuracy"] >= 0.9, (r, run.stderr[-2000:])
+
+
+def test_resume_without_a_checkpoint_is_one_line(sentiment, tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # killed before the end of the first epoch
+    with pytest.raises(SystemExit, match="holds no checkpoint-N yet"):
+        classification.main(argv(sentiment, tmp_path / "run", "--resume"))
 
 
 @pytest.mark.parametrize("content, flags, message", [
