@@ -4,7 +4,6 @@
     deepspeed --num_gpus 2 bench/seed_recipe.py --model M --dataset D --num-sequences 256 --deepspeed ds.json
 """
 import argparse
-import json
 import os
 import sys
 import time

@@ -52,6 +52,18 @@ def stop_everything(launcher):
     launcher.kill()
 
 
+def signal_rank_1_after_a_checkpoint(launcher, out, sig, timeout):
+    """Once the first checkpoint is published, send `sig` to rank 1; the seconds until the launcher exits."""
+    try:
+        wait_for(out / "checkpoints" / "latest", launcher)
+        os.kill(rank_pid(launcher, 1), sig)
+        sent_at = time.time()
+        launcher.wait(timeout=timeout)
+        return time.time() - sent_at
+    finally:
+        stop_everything(launcher)
+
+
 def long_run(tiny, out, *extra):
     return base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2, "--max-steps": 60,
                                    "--save-every": 5, "--log-every": 5}) + ["--deepspeed", *extra]
@@ -62,14 +74,7 @@ def test_a_killed_rank_ends_the_job_and_resume_gives_the_uninterrupted_run(tiny,
     check(launch("deepspeed", "zero-optimization.py", long_run(tiny, whole)))
     out = tmp_path / "killed"
     launcher = start(long_run(tiny, out), tmp_path / "log")
-    try:
-        wait_for(out / "checkpoints" / "latest", launcher)
-        os.kill(rank_pid(launcher, 1), signal.SIGKILL)
-        killed_at = time.time()
-        launcher.wait(timeout=120)
-        ended_after = time.time() - killed_at
-    finally:
-        stop_everything(launcher)
+    ended_after = signal_rank_1_after_a_checkpoint(launcher, out, signal.SIGKILL, timeout=120)
     log = (tmp_path / "log").read_text()
     assert launcher.returncode != 0 and ended_after < 30, (launcher.returncode, ended_after)
     assert "--local_rank=1" in log and "exits with return code = -9" in log  # the launcher names the lost rank
@@ -86,14 +91,8 @@ def test_a_killed_rank_ends_the_job_and_resume_gives_the_uninterrupted_run(tiny,
 def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(tiny, tmp_path):
     out = tmp_path / "stuck"
     launcher = start(long_run(tiny, out, "--dist-timeout", "10"), tmp_path / "log")
-    try:
-        wait_for(out / "checkpoints" / "latest", launcher)
-        os.kill(rank_pid(launcher, 1), signal.SIGSTOP)  # alive but silent, like a hung GPU
-        stopped_at = time.time()
-        launcher.wait(timeout=180)
-        ended_after = time.time() - stopped_at
-    finally:
-        stop_everything(launcher)
+    # SIGSTOP: alive but silent, like a hung GPU
+    ended_after = signal_rank_1_after_a_checkpoint(launcher, out, signal.SIGSTOP, timeout=180)
     log = (tmp_path / "log").read_text()
     # rank 0 gives up after --dist-timeout; the launcher then allows 30 s after SIGTERM (ignored while stopped)
     assert launcher.returncode != 0 and ended_after < 10 + 30 + 15, (launcher.returncode, ended_after)

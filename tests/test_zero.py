@@ -1,10 +1,8 @@
 """zero-optimization.py under the real launchers on 2 CPU processes (gloo): the same losses and weights as
 single-gpu.py on the same global batches, for every ZeRO stage and offload; sharding, export, resume, errors."""
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import (assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results,
                       weights)
