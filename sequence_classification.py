@@ -11,6 +11,7 @@ Places to tune are marked `To-Do:`.
 import argparse
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,7 +19,58 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Dat
                           TrainingArguments, pipeline)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-import common
+import data
+import demo
+import training
+import zero_utils
+
+
+def class_labels(train, evaluation, column, name):
+    """Class names in a stable order, and both splits with a `labels` column of class ids 0..K-1. String labels
+    become ids; a ClassLabel column keeps its names; integer labels keep their order."""
+    if column not in train.column_names:
+        training.fail(f"dataset {name} has no column {column!r} (it has {', '.join(train.column_names)}); pass --label-column")
+    feature = train.features[column]
+    if hasattr(feature, "names"):  # a ClassLabel: already ids, with names
+        names = list(feature.names)
+    else:
+        values = set(train[column]) | set(evaluation[column])
+        if None in values:
+            training.fail(f"dataset {name} has rows without a label in column {column!r}; drop or label them")
+        names = sorted(values, key=lambda v: (isinstance(v, str), v))
+    if len(names) < 2:
+        training.fail(f"dataset {name} has a single class ({names[0]!r}) in column {column!r}: nothing to learn")
+    ids = {v: i for i, v in enumerate(names)} if not hasattr(feature, "names") else {i: i for i in range(len(names))}
+    to_ids = lambda batch: {"labels": [ids[v] for v in batch]}
+    train, evaluation = (split.map(to_ids, input_columns=column, batched=True) for split in (train, evaluation))
+    return [str(n) for n in names], train, evaluation
+
+
+def classification_metrics(predictions, labels, num_classes):
+    """Accuracy and macro-averaged F1 (each class's F1, averaged with equal weight), computed here: evaluate.load
+    would need the hub."""
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    f1s = []
+    for c in range(num_classes):
+        tp = np.sum((predictions == c) & (labels == c))
+        fp, fn = np.sum((predictions == c) & (labels != c)), np.sum((predictions != c) & (labels == c))
+        f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
+    return {"accuracy": float(np.mean(predictions == labels)), "f1_macro": float(np.mean(f1s))}
+
+
+def check_trainer_resume(folder, world_size, deepspeed):
+    """The HF Trainer resumes from its newest checkpoint-N. Under DeepSpeed that holds one optimizer shard per rank,
+    which the Trainer loads as it is: another number of ranks would end in DeepSpeed's traceback on every rank."""
+    from transformers.trainer_utils import get_last_checkpoint
+    last = get_last_checkpoint(str(folder))
+    if last is None:
+        training.fail(f"--resume: {folder} holds no checkpoint-N yet (the Trainer saves one at the end of each epoch); start "
+             f"over with --overwrite")
+    saved = len(list(Path(last).glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
+    if deepspeed and saved != world_size:
+        training.fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with {saved} (the "
+             f"Trainer loads DeepSpeed's optimizer shards as they are; zero-optimization.py can change the number)")
+    return Path(last)
 
 
 def parse_args(argv=None):
@@ -54,7 +106,7 @@ def parse_args(argv=None):
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
-        p.set_defaults(**common.demo_classification_defaults())
+        p.set_defaults(**demo.demo_classification_defaults())
         args = p.parse_args(argv)
     return args
 
@@ -66,26 +118,26 @@ def main(argv=None):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     say = print if rank == 0 else (lambda *a, **k: None)
     cuda = torch.cuda.is_available()
-    args.precision = common.resolve_precision(args.precision, torch.device("cuda" if cuda else "cpu"))
+    args.precision = training.resolve_precision(args.precision, torch.device("cuda" if cuda else "cpu"))
     for flag in ("lr", "batch_size", "grad_accum", "max_length", "epochs"):
         if getattr(args, flag) <= 0:
-            common.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+            training.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.deepspeed and not os.path.isfile(args.deepspeed):
-        common.fail(f"DeepSpeed config {args.deepspeed} does not exist; pass --deepspeed with a JSON file")
-    out = common.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+        training.fail(f"DeepSpeed config {args.deepspeed} does not exist; pass --deepspeed with a JSON file")
+    out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     if args.resume:
-        say(f"resuming from {common.check_trainer_resume(out / 'checkpoints', world_size, args.deepspeed).name}")
+        say(f"resuming from {check_trainer_resume(out / 'checkpoints', world_size, args.deepspeed).name}")
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         import deepspeed
-        common.single_process_env()  # a plain `python3` run is a world of one (DeepSpeed would look for MPI)
+        zero_utils.single_process_env()  # a plain `python3` run is a world of one (DeepSpeed would look for MPI)
         deepspeed.init_distributed()
 
     # -------------------------------------------------------------------------------- data
-    train, evaluation = common.load_splits(args.dataset, args.text_column, args.seed)
-    names, train, evaluation = common.class_labels(train, evaluation, args.label_column, args.dataset)
+    train, evaluation = data.load_splits(args.dataset, args.text_column, args.seed)
+    names, train, evaluation = class_labels(train, evaluation, args.label_column, args.dataset)
     examples = list(evaluation.select(range(min(3, len(evaluation))))[args.text_column])  # shown at the end
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
-    tokenizer = common.load_pretrained(AutoTokenizer, args.model, **remote)
+    tokenizer = training.load_pretrained(AutoTokenizer, args.model, **remote)
     tokenize = lambda batch: tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length)
     train, evaluation = (split.select_columns([args.text_column, "labels"]).map(
         tokenize, batched=True, remove_columns=[args.text_column]) for split in (train, evaluation))
@@ -104,7 +156,7 @@ def main(argv=None):
         metric_for_best_model="accuracy", logging_steps=10, report_to=args.report_to, deepspeed=args.deepspeed,
         use_cpu=not cuda,  # on a machine without CUDA; without it a distributed launch miscounts the world size
         dataloader_pin_memory=cuda)
-    model = common.load_pretrained(
+    model = training.load_pretrained(
         AutoModelForSequenceClassification, args.model, num_labels=len(names), **remote,
         id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)  # a fresh head for our labels
@@ -113,7 +165,7 @@ def main(argv=None):
     model.accepts_loss_kwargs = False
 
     def compute_metrics(prediction):
-        return common.classification_metrics(np.argmax(prediction.predictions, axis=-1), prediction.label_ids,
+        return classification_metrics(np.argmax(prediction.predictions, axis=-1), prediction.label_ids,
                                              len(names))
 
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
@@ -133,7 +185,7 @@ def main(argv=None):
                "labels": names}
     unset_hf_deepspeed_config()  # from here on from_pretrained loads a whole model (no ZeRO-3 partitioning)
     if rank == 0:
-        common.write_json(out / "results.json", results)
+        training.write_json(out / "results.json", results)
         say(f"accuracy {results['accuracy']:.3f} | macro-F1 {results['f1_macro']:.3f} | "
             f"eval loss {results['eval_loss']:.4f} | saved {final}")
         classify = pipeline("text-classification", model=str(final), device=0 if cuda else -1, **remote)
@@ -146,4 +198,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_distributed(main)  # one line if a rank is lost; no teardown abort after a good run
+    zero_utils.run_distributed(main)  # one line if a rank is lost; no teardown abort after a good run

@@ -16,7 +16,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-import common
+import data
+import demo
+import training
 
 
 def parse_args(argv=None):
@@ -54,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--demo", action="store_true", help="tiny model + generated corpus shipped with the repo")
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
-        p.set_defaults(**common.demo_defaults())
+        p.set_defaults(**demo.demo_defaults())
         args = p.parse_args(argv)
     return args
 
@@ -66,54 +68,54 @@ def main(argv=None):
     rank, world_size = 0, 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     say = tqdm.write if rank == 0 else (lambda *a, **k: None)
-    args.precision = common.resolve_precision(args.precision, device)
+    args.precision = training.resolve_precision(args.precision, device)
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
-    config = common.load_pretrained(AutoConfig, args.model, **remote)
-    common.check_args(args, getattr(config, "max_position_embeddings", None))
-    out = common.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    config = training.load_pretrained(AutoConfig, args.model, **remote)
+    training.check_args(args, getattr(config, "max_position_embeddings", None))
+    out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     torch.manual_seed(args.seed)
 
     # -------------------------------------------------------------------------------- data
-    tokenizer = common.load_pretrained(AutoTokenizer, args.model, **remote)
+    tokenizer = training.load_pretrained(AutoTokenizer, args.model, **remote)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_texts, eval_texts = common.load_splits(args.dataset, args.text_column, args.seed)
-    train = common.tokenize(train_texts, tokenizer, args.text_column, args.block_size, args.packing)
-    evals = common.tokenize(eval_texts, tokenizer, args.text_column, args.block_size, args.packing)
+    train_texts, eval_texts = data.load_splits(args.dataset, args.text_column, args.seed)
+    train = data.tokenize(train_texts, tokenizer, args.text_column, args.block_size, args.packing)
+    evals = data.tokenize(eval_texts, tokenizer, args.text_column, args.block_size, args.packing)
     global_batch = args.batch_size * args.grad_accum * world_size  # sequences per optimizer step
-    batches = common.GlobalBatches(len(train), global_batch, args.seed)
+    batches = data.GlobalBatches(len(train), global_batch, args.seed)
     if batches.steps_per_epoch == 0:
-        common.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
+        training.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
                     f"lower --batch-size or --grad-accum, or add data")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
     # -------------------------------------------------------------------------------- model and optimizer
-    model = common.load_pretrained(AutoModelForCausalLM, args.model, dtype=torch.float32, **remote)  # fp32 master
+    model = training.load_pretrained(AutoModelForCausalLM, args.model, dtype=torch.float32, **remote)  # fp32 master
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.to(device)
-    optimizer = torch.optim.AdamW(common.param_groups(model, args.weight_decay), lr=args.lr,
-                                  betas=common.ADAM_BETAS, eps=common.ADAM_EPS, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.lr,
+                                  betas=training.ADAM_BETAS, eps=training.ADAM_EPS, fused=device.type == "cuda")
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     autocast = (contextlib.nullcontext() if args.precision == "fp32"
-                else torch.autocast(device.type, dtype=common.AMP_DTYPES[args.precision]))
+                else torch.autocast(device.type, dtype=training.AMP_DTYPES[args.precision]))
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()
-    n_params = common.count_params(model)
-    flops_per_token = common.flops_per_token(config, args.block_size, n_params)
+    n_params = training.count_params(model)
+    flops_per_token = training.flops_per_token(config, args.block_size, n_params)
 
     start_step, losses = 0, []
     if args.resume:
-        tag = common.latest_checkpoint(out)
-        common.check_resume(out / "checkpoints" / tag, args, world_size)
+        tag = training.latest_checkpoint(out)
+        training.check_resume(out / "checkpoints" / tag, args, world_size)
         state = torch.load(out / "checkpoints" / tag / "state.pt", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         start_step, losses = state["step"], state["losses"]
-        common.set_rng_state(state["rng"])
+        training.set_rng_state(state["rng"])
         say(f"resumed from {tag}: step {start_step} of {total_steps}")
 
     # -------------------------------------------------------------------------------- train
@@ -132,7 +134,7 @@ def main(argv=None):
             batch = train.batch(micro, pad_id, device)
             with autocast:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = common.token_loss_sum(logits, batch["labels"]) / n_targets
+            loss = training.token_loss_sum(logits, batch["labels"]) / n_targets
             scaler.scale(loss).backward()
             step_loss += loss.detach()
         scaler.unscale_(optimizer)
@@ -150,7 +152,7 @@ def main(argv=None):
         save_now = args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps)
         if log_now or save_now:  # the one host-device sync: bring the interval's losses over, and check them
             step_losses = torch.stack(pending)
-            common.check_finite(step_losses.tolist(), first_step=len(losses) + 1)
+            training.check_finite(step_losses.tolist(), first_step=len(losses) + 1)
             losses += step_losses.tolist()
             pending = []
 
@@ -160,10 +162,10 @@ def main(argv=None):
             intervals.append([step + 1, elapsed, interval_tokens])  # throughput over time, for bench/
             line = (f"step {step + 1}/{total_steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                     f"{interval_tokens / elapsed:,.0f} tok/s")
-            peak = common.peak_tflops(device)
+            peak = training.peak_tflops(device)
             if peak:
                 tflops = flops_per_token * interval_tokens / elapsed / world_size / 1e12
-                mem = common.peak_memory_bytes(device) / 2**30
+                mem = training.peak_memory_bytes(device) / 2**30
                 line += f" | {tflops:.0f} TFLOPs/GPU | MFU {100 * tflops / peak:.1f}% | peak mem {mem:.1f} GiB"
             say(line)
             interval_start, interval_tokens = time.perf_counter(), 0
@@ -173,36 +175,36 @@ def main(argv=None):
             (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "step": step + 1, "losses": losses, "rng": common.rng_state()},
+                        "step": step + 1, "losses": losses, "rng": training.rng_state()},
                        ckpt / f".tmp-{tag}" / "state.pt")
             if rank == 0:
-                common.write_json(ckpt / f".tmp-{tag}" / "run.json", {  # what a resume checks
+                training.write_json(ckpt / f".tmp-{tag}" / "run.json", {  # what a resume checks
                     "step": step + 1, "global_batch_size": global_batch, "world_size": world_size})
-                common.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
+                training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
             interval_start += time.perf_counter() - save_start  # checkpointing is not training time
 
     # -------------------------------------------------------------------------------- evaluate
-    sums = common.evaluate(model, evals, args.batch_size, pad_id, device, autocast, rank, world_size)
+    sums = training.evaluate(model, evals, args.batch_size, pad_id, device, autocast, rank, world_size)
     eval_loss = (sums[0] / sums[1]).item()
     if skipped_steps:
         say(f"fp16: the loss scaler skipped {int(skipped_steps)} of {total_steps - start_step} steps (overflow)")
-    say(f"eval loss {eval_loss:.4f} | perplexity {common.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
+    say(f"eval loss {eval_loss:.4f} | perplexity {training.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
 
     # -------------------------------------------------------------------------------- save
     final = out / "final"
     if rank == 0:
         model.save_pretrained(final)  # safetensors
         tokenizer.save_pretrained(final)
-    params_bytes = [common.params_held_bytes(model)]
-    results = {"losses": losses, "eval_loss": eval_loss, "perplexity": common.perplexity(eval_loss),
+    params_bytes = [training.params_held_bytes(model)]
+    results = {"losses": losses, "eval_loss": eval_loss, "perplexity": training.perplexity(eval_loss),
                "train_runtime_s": train_time, "train_tokens": tokens_seen, "tokens_per_sec": tokens_seen / train_time,
-               "log_intervals": intervals, "peak_memory_bytes": common.peak_memory_bytes(device),
+               "log_intervals": intervals, "peak_memory_bytes": training.peak_memory_bytes(device),
                "params_bytes_per_rank": params_bytes,
                "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision,
                "skipped_steps": int(skipped_steps)}
     if rank == 0:
-        common.write_json(out / "results.json", results)
-        common.plot_losses(losses, out / "loss.png")
+        training.write_json(out / "results.json", results)
+        training.plot_losses(losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
 
     if args.prompt and rank == 0:  # reload what was saved, as a user would, and continue the prompt

@@ -21,7 +21,10 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
-import common
+import data
+import demo
+import training
+import zero_utils
 
 
 def parse_args(argv=None):
@@ -67,7 +70,7 @@ def parse_args(argv=None):
     deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
-        p.set_defaults(**common.demo_defaults())
+        p.set_defaults(**demo.demo_defaults())
         args = p.parse_args(argv)
     return args
 
@@ -76,64 +79,64 @@ def main(argv=None):
     args = parse_args(argv)
 
     # -------------------------------------------------------------------------------- setup
-    common.single_process_env()  # ZeRO: a plain `python3` run is a world of one (no MPI)
-    deepspeed.init_distributed(timeout=common.collective_timeout(args.dist_timeout))  # ZeRO: nccl or gloo
+    zero_utils.single_process_env()  # ZeRO: a plain `python3` run is a world of one (no MPI)
+    deepspeed.init_distributed(timeout=zero_utils.collective_timeout(args.dist_timeout))  # ZeRO: nccl or gloo
     rank, world_size = dist.get_rank(), dist.get_world_size()  # ZeRO
     device = torch.device(deepspeed.get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))  # ZeRO
     say = tqdm.write if rank == 0 else (lambda *a, **k: None)
-    args.precision = common.resolve_precision(args.precision, device)
+    args.precision = training.resolve_precision(args.precision, device)
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
-    config = common.load_pretrained(AutoConfig, args.model, **remote)
-    common.check_args(args, getattr(config, "max_position_embeddings", None))
-    out = common.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    config = training.load_pretrained(AutoConfig, args.model, **remote)
+    training.check_args(args, getattr(config, "max_position_embeddings", None))
+    out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     torch.manual_seed(args.seed)
 
     # -------------------------------------------------------------------------------- data
-    tokenizer = common.load_pretrained(AutoTokenizer, args.model, **remote)
+    tokenizer = training.load_pretrained(AutoTokenizer, args.model, **remote)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_texts, eval_texts = common.load_splits(args.dataset, args.text_column, args.seed)
-    train = common.tokenize(train_texts, tokenizer, args.text_column, args.block_size, args.packing)
-    evals = common.tokenize(eval_texts, tokenizer, args.text_column, args.block_size, args.packing)
+    train_texts, eval_texts = data.load_splits(args.dataset, args.text_column, args.seed)
+    train = data.tokenize(train_texts, tokenizer, args.text_column, args.block_size, args.packing)
+    evals = data.tokenize(eval_texts, tokenizer, args.text_column, args.block_size, args.packing)
     global_batch = args.batch_size * args.grad_accum * world_size  # sequences per optimizer step
-    batches = common.GlobalBatches(len(train), global_batch, args.seed)
+    batches = data.GlobalBatches(len(train), global_batch, args.seed)
     if batches.steps_per_epoch == 0:
-        common.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
+        training.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
                     f"lower --batch-size or --grad-accum, or add data")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
     # -------------------------------------------------------------------------------- model and optimizer
     # ZeRO: fill the JSON's "auto" values from the flags; the engine builds the optimizer it names
-    ds_path = args.deepspeed_config or common.HERE / "ds_config_zero3.json"
-    ds_config, ds_has_scheduler = common.deepspeed_config(ds_path, args, world_size, total_steps, warmup_steps,
+    ds_path = args.deepspeed_config or training.HERE / "ds_config_zero3.json"
+    ds_config, ds_has_scheduler = zero_utils.deepspeed_config(ds_path, args, world_size, total_steps, warmup_steps,
                                                           config.hidden_size)
     if args.resume:  # ZeRO: from another number of ranks, load DeepSpeed's universal form of the checkpoint
-        tag = common.latest_checkpoint(out)
+        tag = training.latest_checkpoint(out)
         load_from, stage = out / "checkpoints" / tag, ds_config["zero_optimization"].get("stage", 0)
-        saved = common.check_resume(load_from, args, world_size, stage)
+        saved = training.check_resume(load_from, args, world_size, stage)
         if saved["world_size"] != world_size:
-            load_from = common.universal_checkpoint(load_from, rank)
+            load_from = zero_utils.universal_checkpoint(load_from, rank)
             if load_from.name == "universal":
                 ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     keep_alive = HfDeepSpeedConfig(ds_config)  # ZeRO-3: from_pretrained loads each rank's shard, never a full copy
-    model = common.load_pretrained(AutoModelForCausalLM, args.model, dtype=torch.float32, **remote)  # fp32 master
+    model = training.load_pretrained(AutoModelForCausalLM, args.model, dtype=torch.float32, **remote)  # fp32 master
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     schedule = lambda opt: get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
-        model=model, model_parameters=common.param_groups(model, args.weight_decay), config=ds_config,
+        model=model, model_parameters=training.param_groups(model, args.weight_decay), config=ds_config,
         lr_scheduler=None if ds_has_scheduler else schedule)
     autocast = contextlib.nullcontext()  # ZeRO: the engine keeps bf16/fp16 weights itself
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
-    n_params = common.count_params(model)
-    flops_per_token = common.flops_per_token(config, args.block_size, n_params)
+    n_params = training.count_params(model)
+    flops_per_token = training.flops_per_token(config, args.block_size, n_params)
 
     start_step, losses = 0, []
     if args.resume:
         _, state = model.load_checkpoint(load_from.parent, load_from.name)  # ZeRO: every rank loads its shards
         start_step, losses = state["step"], state["losses"]
-        common.restore_rng(out / "checkpoints" / tag, rank, args.seed, start_step)  # ZeRO: each rank has its own
+        zero_utils.restore_rng(out / "checkpoints" / tag, rank, args.seed, start_step)  # ZeRO: each rank has its own
         say(f"resumed from {tag}: step {start_step} of {total_steps}")
         if saved["world_size"] != world_size:  # ZeRO
             say(f"  {tag} was written by {saved['world_size']} ranks and loaded on {world_size}: " +
@@ -156,7 +159,7 @@ def main(argv=None):
             batch = train.batch(micro.view(world_size, -1)[rank], pad_id, device)  # ZeRO: this rank's share
             with autocast:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = common.token_loss_sum(logits, batch["labels"]) / n_targets
+            loss = training.token_loss_sum(logits, batch["labels"]) / n_targets
             # ZeRO: the engine averages gradients over ranks and micro-steps; undo both, so the gradient is the
             # token mean over the global batch exactly as in single-gpu.py
             model.backward(loss * world_size, scale_wrt_gas=False)
@@ -170,7 +173,7 @@ def main(argv=None):
         if log_now or save_now:  # the one host-device sync: bring the interval's losses over, and check them
             step_losses = torch.stack(pending)
             dist.all_reduce(step_losses)  # ZeRO: each rank holds its share of each step's loss
-            common.check_finite(step_losses.tolist(), first_step=len(losses) + 1)
+            training.check_finite(step_losses.tolist(), first_step=len(losses) + 1)
             losses += step_losses.tolist()
             pending = []
 
@@ -180,10 +183,10 @@ def main(argv=None):
             intervals.append([step + 1, elapsed, interval_tokens])  # throughput over time, for bench/
             line = (f"step {step + 1}/{total_steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                     f"{interval_tokens / elapsed:,.0f} tok/s")
-            peak = common.peak_tflops(device)
+            peak = training.peak_tflops(device)
             if peak:
                 tflops = flops_per_token * interval_tokens / elapsed / world_size / 1e12
-                mem = common.peak_memory_bytes(device) / 2**30
+                mem = training.peak_memory_bytes(device) / 2**30
                 line += f" | {tflops:.0f} TFLOPs/GPU | MFU {100 * tflops / peak:.1f}% | peak mem {mem:.1f} GiB"
             say(line)
             interval_start, interval_tokens = time.perf_counter(), 0
@@ -191,27 +194,27 @@ def main(argv=None):
         if save_now:  # into a temporary folder; published (renamed, then pointed to) only once complete
             save_start, tag, ckpt = time.perf_counter(), f"step-{step + 1}", out / "checkpoints"
             (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
-            torch.save(common.rng_state(), ckpt / f".tmp-{tag}" / f"rng-{rank}.pt")  # ZeRO: each rank has its own RNG
+            torch.save(training.rng_state(), ckpt / f".tmp-{tag}" / f"rng-{rank}.pt")  # ZeRO: each rank has its own RNG
             # ZeRO: a collective: every rank writes its shards (DeepSpeed's own `latest` would move before the other
             # ranks are done: we move ours after the barrier)
             model.save_checkpoint(ckpt, f".tmp-{tag}", client_state={"step": step + 1, "losses": losses},
                                   save_latest=False)
             dist.barrier()  # ZeRO: every rank has finished writing
             if rank == 0:
-                common.write_json(ckpt / f".tmp-{tag}" / "run.json", {  # what a resume checks
+                training.write_json(ckpt / f".tmp-{tag}" / "run.json", {  # what a resume checks
                     "step": step + 1, "global_batch_size": global_batch, "world_size": world_size,
                     "zero_stage": model.zero_optimization_stage()})  # ZeRO
-                common.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
+                training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
             interval_start += time.perf_counter() - save_start  # checkpointing is not training time
 
     # -------------------------------------------------------------------------------- evaluate
-    sums = common.evaluate(model, evals, args.batch_size, pad_id, device, autocast, rank, world_size)
+    sums = training.evaluate(model, evals, args.batch_size, pad_id, device, autocast, rank, world_size)
     dist.all_reduce(sums)  # ZeRO: each rank evaluated its share
     eval_loss = (sums[0] / sums[1]).item()
     skipped_steps = model.skipped_steps  # ZeRO: the engine's fp16 loss scaler counts them
     if skipped_steps:
         say(f"fp16: the loss scaler skipped {int(skipped_steps)} of {total_steps - start_step} steps (overflow)")
-    say(f"eval loss {eval_loss:.4f} | perplexity {common.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
+    say(f"eval loss {eval_loss:.4f} | perplexity {training.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
 
     # -------------------------------------------------------------------------------- save
     final = out / "final"
@@ -222,16 +225,16 @@ def main(argv=None):
         model.module.save_pretrained(final, state_dict=state)  # ZeRO: the engine wraps the HF model (safetensors)
         tokenizer.save_pretrained(final)
     params_bytes = [None] * world_size
-    dist.all_gather_object(params_bytes, common.params_held_bytes(model))  # ZeRO: what each rank holds
-    results = {"losses": losses, "eval_loss": eval_loss, "perplexity": common.perplexity(eval_loss),
+    dist.all_gather_object(params_bytes, training.params_held_bytes(model))  # ZeRO: what each rank holds
+    results = {"losses": losses, "eval_loss": eval_loss, "perplexity": training.perplexity(eval_loss),
                "train_runtime_s": train_time, "train_tokens": tokens_seen, "tokens_per_sec": tokens_seen / train_time,
-               "log_intervals": intervals, "peak_memory_bytes": common.peak_memory_bytes(device),
+               "log_intervals": intervals, "peak_memory_bytes": training.peak_memory_bytes(device),
                "params_bytes_per_rank": params_bytes,
                "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision,
                "skipped_steps": int(skipped_steps)}
     if rank == 0:
-        common.write_json(out / "results.json", results)
-        common.plot_losses(losses, out / "loss.png")
+        training.write_json(out / "results.json", results)
+        training.plot_losses(losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
 
     del keep_alive  # ZeRO: from here on from_pretrained loads a whole model again
@@ -246,4 +249,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.run_distributed(main)  # ZeRO: one line, not a traceback from every rank, if a rank is lost
+    zero_utils.run_distributed(main)  # ZeRO: one line, not a traceback from every rank, if a rank is lost

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common  # noqa: E402
+import data  # noqa: E402
+import training  # noqa: E402
 
 
 class TrainingTime(TrainerCallback):
@@ -49,7 +50,7 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    train, _ = common.load_splits(args.dataset, args.text_column, seed=0)
+    train, _ = data.load_splits(args.dataset, args.text_column, seed=0)
     texts = list(train.select(range(min(args.num_sequences, len(train))))[args.text_column])
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=args.max_length)  # the seeds' way
     rows = [{"input_ids": ids, "attention_mask": mask, "labels": [t if m else -100 for t, m in zip(ids, mask)]}
@@ -71,10 +72,10 @@ def main():
     # every step costs the same (all padded to --max-length), so the steady steps train the mean useful tokens each
     steady = dict(steps=steps - warmup, seconds=runtime, tokens=useful * (steps - warmup) / steps)
     if int(os.environ.get("RANK", 0)) == 0:
-        common.write_json(Path(args.output_dir) / "results.json", {
+        training.write_json(Path(args.output_dir) / "results.json", {
             "steady": steady, "train_tokens": useful,
             "losses": [out.training_loss], "world_size": world_size, "global_batch_size": args.batch_size * world_size,
-            "steps": steps, "peak_memory_bytes": common.peak_memory_bytes(torch.device("cuda" if cuda else "cpu")),
+            "steps": steps, "peak_memory_bytes": training.peak_memory_bytes(torch.device("cuda" if cuda else "cpu")),
             "padded_tokens": steps * args.batch_size * world_size * args.max_length})
 
 

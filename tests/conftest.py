@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import common  # noqa: E402
+import demo  # noqa: E402
 
 
 def load_script(name):
@@ -33,12 +33,12 @@ def load_script(name):
 def tiny(tmp_path_factory):
     """A 2-layer, 32-wide OPT (dropout 0) and 240 generated reviews."""
     root = tmp_path_factory.mktemp("tiny")
-    common.make_demo_corpus(root / "reviews.csv", n=240, seed=1)
+    demo.make_demo_corpus(root / "reviews.csv", n=240, seed=1)
     import csv
     with open(root / "reviews.csv") as f:
         texts = [row["text"] for row in csv.DictReader(f)]
-    tokenizer = common.make_demo_tokenizer(texts, vocab_size=300)
-    common.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=64, seed=0)
+    tokenizer = demo.make_demo_tokenizer(texts, vocab_size=300)
+    demo.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=64, seed=0)
     return {"data": str(root / "reviews.csv"), "model": str(root / "model"), "root": root}
 
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from transformers import pipeline
 
-from conftest import check, common, launch, load_script, results
+from conftest import check, demo, launch, load_script, results
 
 classification = load_script("sequence_classification.py")
 
@@ -15,15 +15,15 @@ classification = load_script("sequence_classification.py")
 def sentiment(tmp_path_factory):
     """Generated reviews labelled with strings (1-2 stars 'negative', 4-5 'positive'), and a tiny encoder."""
     root = tmp_path_factory.mktemp("sentiment")
-    common.make_demo_corpus(root / "reviews.csv", n=600, seed=2)
+    demo.make_demo_corpus(root / "reviews.csv", n=600, seed=2)
     with open(root / "reviews.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["label"] != "2"]
     with open(root / "sentiment.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["review", "sentiment"])
         writer.writerows([r["text"], "negative" if int(r["label"]) < 2 else "positive"] for r in rows)
-    tokenizer = common.make_demo_wordpiece_tokenizer([r["text"] for r in rows], vocab_size=400)
-    common.make_demo_encoder(root / "encoder", tokenizer, dim=32, layers=2, heads=2, positions=128)
+    tokenizer = demo.make_demo_wordpiece_tokenizer([r["text"] for r in rows], vocab_size=400)
+    demo.make_demo_encoder(root / "encoder", tokenizer, dim=32, layers=2, heads=2, positions=128)
     return root
 
 

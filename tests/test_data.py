@@ -7,24 +7,26 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import common
+import data
+import training
+import zero_utils
 
 
 @pytest.fixture(scope="module")
 def texts(tiny):
-    data = datasets.load_dataset("csv", data_files=tiny["data"])["train"]
-    return data, AutoTokenizer.from_pretrained(tiny["model"])
+    rows = datasets.load_dataset("csv", data_files=tiny["data"])["train"]
+    return rows, AutoTokenizer.from_pretrained(tiny["model"])
 
 
-def stream(data, tokenizer):
-    ids = tokenizer(list(data["text"]), add_special_tokens=False)["input_ids"]
+def stream(rows, tokenizer):
+    ids = tokenizer(list(rows["text"]), add_special_tokens=False)["input_ids"]
     return [t for x in ids for t in x + [tokenizer.eos_token_id]], ids
 
 
 def test_packing_loses_no_token(texts):
-    data, tokenizer = texts
-    expected, _ = stream(data, tokenizer)
-    blocks = common.tokenize(data, tokenizer, "text", 32, packing=True)
+    rows, tokenizer = texts
+    expected, _ = stream(rows, tokenizer)
+    blocks = data.tokenize(rows, tokenizer, "text", 32, packing=True)
     packed = torch.cat([blocks.tokens[s:e] for s, e in zip(blocks.starts, blocks.ends)]).tolist()
     assert packed == expected  # every token, in order, each text followed by EOS
     assert blocks.lengths[:-1].eq(32).all() and 0 < blocks.lengths[-1] <= 32
@@ -32,17 +34,17 @@ def test_packing_loses_no_token(texts):
 
 
 def test_no_packing_keeps_one_text_per_sequence(texts):
-    data, tokenizer = texts
-    _, ids = stream(data, tokenizer)
-    blocks = common.tokenize(data, tokenizer, "text", 16, packing=False)
-    assert len(blocks) == len(data)
-    for i in (0, 7, len(data) - 1):
+    rows, tokenizer = texts
+    _, ids = stream(rows, tokenizer)
+    blocks = data.tokenize(rows, tokenizer, "text", 16, packing=False)
+    assert len(blocks) == len(rows)
+    for i in (0, 7, len(rows) - 1):
         assert blocks.tokens[blocks.starts[i]:blocks.ends[i]].tolist() == (ids[i] + [tokenizer.eos_token_id])[:16]
 
 
 def test_batch_masks_padding(texts):
-    data, tokenizer = texts
-    blocks = common.tokenize(data, tokenizer, "text", 64, packing=False)
+    rows, tokenizer = texts
+    blocks = data.tokenize(rows, tokenizer, "text", 64, packing=False)
     short, long = int(blocks.lengths.argmin()), int(blocks.lengths.argmax())
     batch = blocks.batch([short, long], pad_id=1, device=torch.device("cpu"))
     n = int(blocks.lengths[short])
@@ -52,12 +54,12 @@ def test_batch_masks_padding(texts):
 
 
 def test_global_batches_do_not_depend_on_the_split():
-    order = common.GlobalBatches(num_sequences=100, global_batch=8, seed=3)
+    order = data.GlobalBatches(num_sequences=100, global_batch=8, seed=3)
     assert order.steps_per_epoch == 12
     first_epoch = torch.cat([order(s) for s in range(12)])
     assert len(set(first_epoch.tolist())) == 96  # no sequence twice in an epoch
     assert not torch.equal(order(12), order(0))  # a new shuffle each epoch
-    again = common.GlobalBatches(100, 8, seed=3)
+    again = data.GlobalBatches(100, 8, seed=3)
     assert torch.equal(again(5), order(5))
     # 2 ranks x micro-batch 2 x 2 micro-steps cover exactly the global batch, micro-step by micro-step
     batch = order(5)
@@ -71,8 +73,8 @@ def test_loss_is_the_token_mean_however_split():
     logits, labels = torch.randn(4, 6, 11), torch.randint(0, 11, (4, 6))
     labels[1, 3:] = -100  # padding
     n = int((labels[:, 1:] != -100).sum())
-    whole = common.token_loss_sum(logits, labels) / n
-    split = sum(common.token_loss_sum(logits[i:i + 1], labels[i:i + 1]) / n for i in range(4))
+    whole = training.token_loss_sum(logits, labels) / n
+    split = sum(training.token_loss_sum(logits[i:i + 1], labels[i:i + 1]) / n for i in range(4))
     mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1))
     torch.testing.assert_close(whole, split)
     torch.testing.assert_close(whole, mean)
@@ -85,7 +87,7 @@ def ds_args(**kw):
 
 
 def test_deepspeed_config_fills_auto_from_flags():
-    config, has_scheduler = common.deepspeed_config(common.HERE / "ds_config_zero3.json", ds_args(), 2, 100, 5, 64)
+    config, has_scheduler = zero_utils.deepspeed_config(training.HERE / "ds_config_zero3.json", ds_args(), 2, 100, 5, 64)
     assert not has_scheduler
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (4, 2, 16)
@@ -97,10 +99,10 @@ def test_deepspeed_config_fills_auto_from_flags():
 
 
 def test_deepspeed_config_overrides_and_offload():
-    config, _ = common.deepspeed_config(common.HERE / "ds_config_zero3.json", ds_args(offload="cpu"), 1, 10, 1, 8)
+    config, _ = zero_utils.deepspeed_config(training.HERE / "ds_config_zero3.json", ds_args(offload="cpu"), 1, 10, 1, 8)
     zero = config["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
-    config, _ = common.deepspeed_config(common.HERE / "ds_config_zero3.json",
+    config, _ = zero_utils.deepspeed_config(training.HERE / "ds_config_zero3.json",
                                         ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, 8)
     assert config["zero_optimization"]["stage"] == 2 and "offload_param" not in config["zero_optimization"]
 
@@ -109,7 +111,7 @@ def test_deepspeed_config_scheduler_block_is_filled(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}))
-    config, has_scheduler = common.deepspeed_config(path, ds_args(), 1, 100, 5, 8)
+    config, has_scheduler = zero_utils.deepspeed_config(path, ds_args(), 1, 100, 5, 8)
     assert has_scheduler and config["scheduler"]["params"] == {
         "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
 
@@ -125,16 +127,16 @@ def test_deepspeed_config_errors_name_both_sides(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(SystemExit, match="error: ") as e:
-        common.deepspeed_config(path, ds_args(), 2, 100, 5, 8)
+        zero_utils.deepspeed_config(path, ds_args(), 2, 100, 5, 8)
     assert message in str(e.value)
 
 
 def test_deepspeed_config_bad_files(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
-        common.deepspeed_config(tmp_path / "nope.json", ds_args(), 1, 1, 1, 8)
+        zero_utils.deepspeed_config(tmp_path / "nope.json", ds_args(), 1, 1, 1, 8)
     (tmp_path / "bad.json").write_text("{ not json")
     with pytest.raises(SystemExit, match="not valid JSON"):
-        common.deepspeed_config(tmp_path / "bad.json", ds_args(), 1, 1, 1, 8)
+        zero_utils.deepspeed_config(tmp_path / "bad.json", ds_args(), 1, 1, 1, 8)
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".json", ".parquet", ".txt"])
@@ -150,18 +152,18 @@ def test_local_formats_and_carved_eval_split(tmp_path, suffix):
         path.write_text("\n".join(list(rows["text"])) + "\n")
     else:
         rows.to_json(path, lines=suffix == ".jsonl")
-    train, evaluation = common.load_splits(str(path), "text", seed=0)
+    train, evaluation = data.load_splits(str(path), "text", seed=0)
     assert len(train) + len(evaluation) == 40 and len(evaluation) == 2
     assert sorted(list(train["text"]) + list(evaluation["text"])) == sorted(rows["text"])
 
 
 def test_loading_errors(tmp_path, tiny):
     with pytest.raises(SystemExit, match="does not exist"):
-        common.load_splits(str(tmp_path / "missing.csv"), "text", 0)
+        data.load_splits(str(tmp_path / "missing.csv"), "text", 0)
     with pytest.raises(SystemExit, match="has no column 'body' \\(it has label, text\\); pass --text-column"):
-        common.load_splits(tiny["data"], "body", 0)
+        data.load_splits(tiny["data"], "body", 0)
     (tmp_path / "empty.csv").write_text("text\n")
     with pytest.raises(SystemExit, match="could not read .*empty.csv .*is it a non-empty .csv file"):
-        common.load_splits(str(tmp_path / "empty.csv"), "text", 0)
+        data.load_splits(str(tmp_path / "empty.csv"), "text", 0)
     with pytest.raises(SystemExit, match="could not load dataset 'no-such/dataset'"):
-        common.load_splits("no-such/dataset", "text", 0)
+        data.load_splits("no-such/dataset", "text", 0)

@@ -1,7 +1,7 @@
 """plan.py: the ZeRO memory arithmetic against figures computed by hand, and the recommendation."""
 import pytest
 
-from conftest import ROOT, load_script  # noqa: F401  (conftest puts the repo on sys.path)
+import conftest  # noqa: F401  (puts the repo on sys.path)
 import plan
 
 GB = 1e9

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, common, free_port, launch,
+import training
+from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
                       load_script, results, weights)
 from test_single import crash_after_first_checkpoint
 
@@ -165,7 +166,7 @@ def test_publish_keeps_the_newest_checkpoints(tmp_path):
     for step in (2, 4, 6, 8):
         (tmp_path / f".tmp-step-{step}").mkdir()
         (tmp_path / f".tmp-step-{step}" / "state.pt").write_text(str(step))
-        common.publish_checkpoint(tmp_path, f"step-{step}", keep=2)
+        training.publish_checkpoint(tmp_path, f"step-{step}", keep=2)
         assert (tmp_path / "latest").read_text() == f"step-{step}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-6", "step-8"]
 
