@@ -1,9 +1,12 @@
-# make demo: train the tiny demo model with both scripts (CPU is enough); make test: the test suite.
+# make demo: train the tiny demo model with both scripts and the classifier (CPU is enough); make test: the suite.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 DEMO_RANKS ?= 2
 export HF_HUB_OFFLINE ?= 1
+# on a machine without NVIDIA GPUs, tell DeepSpeed it is the CPU (it would guess so, and say it on every import)
+export DS_ACCELERATOR ?= $(if $(shell command -v nvidia-smi),cuda,cpu)
+DEEPSPEED := $(VENV)/bin/deepspeed --log_level error --num_gpus $(DEMO_RANKS)
 
 .PHONY: demo test clean
 
@@ -17,11 +20,10 @@ $(VENV)/installed: requirements.txt
 
 demo: $(VENV)/installed
 	$(PY) single-gpu.py --demo --batch-size 16 --output-dir out/demo-single-gpu --overwrite
-	$(VENV)/bin/deepspeed --num_gpus $(DEMO_RANKS) zero-optimization.py --demo --zero-stage 3 \
-		--batch-size $$((16 / $(DEMO_RANKS))) --output-dir out/demo-zero --overwrite
-	$(PY) -c 'import common; common.compare_runs("out/demo-single-gpu", "out/demo-zero")'
-	$(VENV)/bin/deepspeed --num_gpus $(DEMO_RANKS) sequence_classification.py --demo --deepspeed ds_config_zero2.json \
-		--output-dir out/demo-classification --overwrite
+	$(DEEPSPEED) zero-optimization.py --demo --zero-stage 3 --batch-size $$((16 / $(DEMO_RANKS))) \
+		--output-dir out/demo-zero --overwrite
+	$(DEEPSPEED) sequence_classification.py --demo --deepspeed --output-dir out/demo-classification --overwrite
+	@$(PY) -c 'import demo; demo.summary("out/demo-single-gpu", "out/demo-zero", "out/demo-classification")'
 
 test: $(VENV)/installed
 	$(PY) -m pytest -q tests

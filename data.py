@@ -1,4 +1,21 @@
-"""Data for the causal-LM pair: load a hub dataset or a local file, tokenize, pack into blocks, the batch order."""
+"""Data for the causal-LM pair: read a dataset, turn its rows into documents with a loss mask, pack them into blocks,
+prepare all that once per node, and assemble batches.
+
+Three formats, found from the columns (see docs/data.md):
+  text                   a `text` column; the loss is on every token
+  prompt + completion    TRL's names; the loss is on the completion only
+  messages               a list of {role, content}, rendered with the tokenizer's chat template; the loss is on the
+                         assistant turns only (--train-on-prompt puts it back on every token, in both)
+Packing (--packing): `isolated` places whole documents into blocks (best-fit decreasing; only a document longer than
+a block is cut) and each attends only to itself, its positions restarting at 0; `stream` concatenates and cuts, as
+run_clm does (documents see each other); `none` is one document per row, padded.
+"""
+import hashlib
+import json
+import os
+import shutil
+import time
+from bisect import bisect_left, insort
 from pathlib import Path
 
 import numpy as np
@@ -6,35 +23,43 @@ import torch
 
 from training import fail
 
-_LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
+LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
+CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
+VERSION = 2  # of the prepared files' layout: part of the cache key
+LOSS, DOC_START = 1, 2  # bits of the per-token flags: this token is predicted (carries loss); a document starts here
+# For a tokenizer without a chat template: plain-text headers (no new tokens to learn), and the assistant's turns,
+# with the EOS that teaches the model to stop, marked as what the model generates.
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{%- if message['role'] == 'assistant' %}{{- '### Assistant:\\n' }}"
+    "{% generation %}{{- message['content'] + eos_token }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '### ' + message['role'] | capitalize + ':\\n' + message['content'] + '\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '### Assistant:\\n' }}{%- endif %}")
 
 
-def load_splits(name, text_column, seed, eval_fraction=0.05):
-    """Train and eval splits of a hub dataset or a local file; carve the eval split if there is none."""
+def load_splits(name, config_name=None, seed=0, max_train_samples=0, eval_fraction=0.05):
+    """Train and eval splits of a hub dataset (with its subset, `config_name`) or a local file; an eval split is
+    carved from the training rows when there is none."""
     import datasets
 
     path = Path(name)
     try:
-        if path.suffix in _LOCAL_FORMATS or path.exists():
+        if path.suffix in LOCAL_FORMATS or path.exists():
             if not path.is_file():
                 fail(f"dataset file {name} does not exist; pass a .csv/.json/.jsonl/.txt/.parquet file or a hub name")
-            if path.suffix not in _LOCAL_FORMATS:
+            if path.suffix not in LOCAL_FORMATS:
                 fail(f"cannot read {name}: use a .csv, .json, .jsonl, .txt or .parquet file")
-            data = datasets.load_dataset(_LOCAL_FORMATS[path.suffix], data_files=str(path))
+            data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path))
         else:
-            data = datasets.load_dataset(name)
+            data = datasets.load_dataset(name, config_name)
     except SystemExit:
         raise
     except Exception as e:  # offline, unknown name, malformed or empty file: all end here
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if path.is_file():
             fail(f"could not read {name} ({first}); is it a non-empty {path.suffix} file?")
-        fail(f"could not load dataset {name!r} ({first}); check the name, the network, or pass a local file")
-    train = data["train"]
-    evaluation = data.get("validation") or data.get("test")
-    if text_column not in train.column_names:
-        fail(f"dataset {name} has no column {text_column!r} (it has {', '.join(train.column_names)}); "
-             f"pass --text-column")
+        fail(f"could not load dataset {name!r} ({first}); check the name (and --dataset-config), the network, or "
+             f"pass a local file")
+    train, evaluation = data["train"], data.get("validation") or data.get("test")
     if len(train) == 0:
         fail(f"dataset {name} is empty")
     if evaluation is None:
@@ -42,74 +67,360 @@ def load_splits(name, text_column, seed, eval_fraction=0.05):
             fail(f"dataset {name} has {len(train)} row: too few to carve an eval split")
         parts = train.train_test_split(test_size=max(1, int(len(train) * eval_fraction)), seed=seed)
         train, evaluation = parts["train"], parts["test"]
+    if max_train_samples > 0:  # a quick run on a slice
+        train = train.select(range(min(max_train_samples, len(train))))
     return train, evaluation
 
 
-def tokenize(split, tokenizer, text_column, block_size, packing):
-    """Token sequences of at most block_size tokens, each text followed by EOS.
-
-    packing=True concatenates all texts and cuts the stream into blocks (the last one shorter), so no compute
-    goes to padding and no token is dropped; packing=False keeps one text per sequence, cut at block_size."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        fail("the tokenizer has no EOS token; set tokenizer.eos_token before training")
-    texts = split.select_columns([text_column]).filter(lambda t: bool(t), input_columns=text_column)
-    ids = texts.map(lambda batch: {"ids": [x + [eos] for x in tokenizer(batch, add_special_tokens=False)["input_ids"]]},
-                    input_columns=text_column, batched=True, remove_columns=[text_column])
-    column = ids.data.column("ids").combine_chunks()
-    tokens = np.array(column.flatten(), dtype=np.int32)
-    if len(tokens) == 0:
-        fail("the dataset has no text to train on")
-    if packing:
-        starts = np.arange(0, len(tokens), block_size)
-        ends = np.minimum(starts + block_size, len(tokens))
+def find_format(columns, args):
+    """(format, {role: column}) from the flags, or else from the column names."""
+    if args.messages_column or (not args.prompt_column and not args.text_column and "messages" in columns):
+        fmt, names = "messages", {"messages": args.messages_column or "messages"}
+    elif args.prompt_column or args.completion_column or (
+            not args.text_column and {"prompt", "completion"} <= set(columns)):
+        fmt, names = "prompt-completion", {"prompt": args.prompt_column or "prompt",
+                                           "completion": args.completion_column or "completion"}
     else:
-        offsets = np.array(column.offsets)
-        starts, ends = offsets[:-1], np.minimum(offsets[1:], offsets[:-1] + block_size)
-    return TokenBlocks(torch.from_numpy(tokens), torch.from_numpy(starts), torch.from_numpy(ends))
+        fmt, names = "text", {"text": args.text_column or "text"}
+    missing = [c for c in names.values() if c not in columns]
+    if missing:
+        fail(f"dataset {args.dataset} has no column {missing[0]!r} for the {fmt} format (it has {', '.join(columns)});"
+             f" name yours with --text-column, --prompt-column and --completion-column, or --messages-column")
+    return fmt, names
 
 
-class TokenBlocks:
-    """Sequences as (start, end) views of one token array; lengths and predicted-token counts are known up front,
-    so the loss normalization and the token throughput need no device synchronization."""
+# ----------------------------------------------------------------------------------------------------
+# Rows -> documents: token ids, and which tokens carry the loss
 
-    def __init__(self, tokens, starts, ends):
-        self.tokens, self.starts, self.ends = tokens, starts, ends
-        self.lengths = ends - starts
-        self.targets = (self.lengths - 1).clamp(min=0)  # every token but the first is predicted
+def _row_error(fmt, row):
+    """Why a row cannot be a training document, or None."""
+    if fmt == "text":
+        return None if isinstance(row["text"], str) else "the text is not a string"
+    if fmt == "prompt-completion":
+        if not isinstance(row["prompt"], str):
+            return "the prompt is not a string"
+        return None if isinstance(row["completion"], str) and row["completion"] else "the completion is empty"
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        return "messages is not a non-empty list of {role, content}"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {i} is not a {{role, content}} pair of strings"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant turn: nothing to learn"
+    return None
+
+
+def _chat_document(tokenizer, messages):
+    """Token ids of the rendered conversation, and a mask of the assistant's tokens. With {% generation %} markers in
+    the template, transformers finds them; otherwise each assistant turn is the text it adds to the rendering of the
+    conversation before it (which needs a template that renders earlier turns the same as a conversation grows)."""
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if "{% generation %}" in (tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    text, spans = render(messages, False), []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            before, upto = render(messages[:i], True), render(messages[:i + 1], False)
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise ValueError("the chat template renders earlier turns differently as the conversation grows, so "
+                                 "the assistant's tokens cannot be found; add {% generation %} markers to it")
+            spans.append((len(before), len(upto)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = [int(any(s < b and a < e for s, e in spans)) for a, b in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+def _documents(batch, indices, fmt, tokenizer, train_on_prompt):
+    """datasets.map function: each row becomes `ids` and `loss` (1 where a token is predicted), or an `error`."""
+    eos, rows = tokenizer.eos_token_id, [dict(zip(batch, values)) for values in zip(*batch.values())]
+    errors = [_row_error(fmt, row) for row in rows]
+    ok = [i for i, e in enumerate(errors) if e is None]
+    ids, loss = [[] for _ in rows], [[] for _ in rows]
+    if fmt == "text":  # one call for the whole batch: the tokenizer's own threads do the work
+        for i, x in zip(ok, tokenizer([rows[i]["text"] for i in ok])["input_ids"] if ok else []):
+            ids[i] = x + [eos] if x[-1:] != [eos] and rows[i]["text"] else x if rows[i]["text"] else []
+            loss[i] = [1] * len(ids[i])
+    elif fmt == "prompt-completion":
+        prompts = tokenizer([rows[i]["prompt"] for i in ok])["input_ids"] if ok else []
+        completions = tokenizer([rows[i]["completion"] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
+        for i, p, c in zip(ok, prompts, completions):
+            ids[i], loss[i] = p + c + [eos], [0] * len(p) + [1] * (len(c) + 1)
+    else:
+        for i in ok:
+            try:
+                ids[i], loss[i] = _chat_document(tokenizer, rows[i]["messages"])
+                errors[i] = None if any(loss[i]) else "the chat template marks no assistant token"
+            except ValueError as e:
+                errors[i] = str(e)
+    if train_on_prompt:
+        loss = [[1] * len(x) for x in ids]
+    return {"ids": ids, "loss": loss, "error": [f"row {k}: {e}" if e else None for k, e in zip(indices, errors)]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Documents -> blocks
+
+def best_fit_decreasing(lengths, block_size):
+    """Place documents into blocks, every document whole unless it is longer than a block: longest first, each into
+    the fullest block it fits in. A long document is cut into pieces of a block each, and its last piece is placed
+    like a document. Returns the pieces (document, start, length) in block order, and each piece's block."""
+    counts = -(-lengths // block_size)  # pieces per document
+    doc = np.repeat(np.arange(len(lengths), dtype=np.int32), counts)
+    start = ((np.arange(len(doc)) - np.repeat(np.cumsum(counts) - counts, counts)) * block_size).astype(np.int32)
+    length = np.minimum(lengths[doc] - start, block_size).astype(np.int32)
+    order = np.argsort(-length, kind="stable")  # longest first; stable, so the placement is reproducible
+    block = np.empty(len(doc), dtype=np.int32)
+    free, rooms, nblocks = {}, [], 0  # free: room left -> blocks with that much room; rooms: its keys, sorted
+    for a in range(0, len(order), 65_536):  # a slice at a time: no million-element Python lists
+        for piece, n in zip(order[a:a + 65_536].tolist(), length[order[a:a + 65_536]].tolist()):
+            i = bisect_left(rooms, n)
+            if i < len(rooms):
+                room = rooms[i]
+                b = free[room].pop()
+                if not free[room]:
+                    del free[room], rooms[i]
+            else:
+                room, b, nblocks = block_size, nblocks, nblocks + 1
+            block[piece] = b
+            if room - n:
+                if room - n not in free:
+                    free[room - n] = []
+                    insort(rooms, room - n)
+                free[room - n].append(b)
+    order = np.argsort(block, kind="stable")  # block after block, each block's pieces in document order
+    return doc[order], start[order], length[order], block[order]
+
+
+def _stream_batches(dataset, columns):
+    """The columns of a dataset, a record batch at a time, read (not memory-mapped) from its cache files where it has
+    them: the preparing process's memory stays flat in the corpus size."""
+    import pyarrow as pa
+
+    if not dataset.cache_files or dataset._indices is not None:
+        yield from dataset.data.select(columns).to_batches(max_chunksize=50_000)
+        return
+    for file in dataset.cache_files:
+        with pa.OSFile(file["filename"]) as f:
+            for batch in pa.ipc.open_stream(f):
+                yield batch.select(columns)
+
+
+def _write_split(docs, block_size, packing, folder):
+    """The split's blocks, as files: tokens.npy and flags.npy (one entry per token, block after block) and
+    blocks.npy (per block: start, length, predicted tokens, and the sum of its segments' squared lengths, which
+    counts the attention's work). Written in chunks, so memory stays flat in the corpus size."""
+    lengths = []
+    with open(folder / "source-tokens", "wb") as tokens_out, open(folder / "source-loss", "wb") as loss_out:
+        for batch in _stream_batches(docs, ["ids", "loss"]):
+            ids, loss = batch.column(0), batch.column(1)
+            lengths.append(np.diff(np.asarray(ids.offsets)))
+            tokens_out.write(np.asarray(ids.values, dtype=np.int32)[ids.offsets[0].as_py():].tobytes())
+            loss_out.write(np.asarray(loss.values, dtype=np.uint8)[loss.offsets[0].as_py():].tobytes())
+    lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    if packing == "isolated":
+        doc, start, n, block = best_fit_decreasing(lengths, block_size)
+        src, new_segment = offsets[doc] + start, np.ones(len(doc), bool)
+    elif packing == "stream":  # concatenated and cut: each block is one segment, documents see each other
+        src = np.arange(0, offsets[-1], block_size)
+        n, block, new_segment = np.minimum(block_size, offsets[-1] - src), np.arange(len(src)), np.ones(len(src), bool)
+    else:  # one document per row, cut at block_size (the rest is dropped)
+        keep = lengths > 0
+        src, n = offsets[:-1][keep], np.minimum(lengths[keep], block_size)
+        block, new_segment = np.arange(len(src)), np.ones(len(src), bool)
+    nblocks = int(block[-1]) + 1 if len(block) else 0
+    count = lambda index, weights: np.bincount(index, weights, minlength=nblocks).astype(np.int64)
+    table = np.zeros((nblocks, 4), dtype=np.int64)  # start, length, predicted tokens, attended
+    table[:, 1], table[:, 3] = count(block, n), count(block, n.astype(np.int64) ** 2)
+    table[:, 0] = np.cumsum(table[:, 1]) - table[:, 1]
+    out = np.cumsum(n, dtype=np.int64) - n
+    with open(folder / "tokens.bin", "wb") as tokens_out, open(folder / "flags.bin", "wb") as flags_out:
+        for a in range(0, len(src), 10_000):  # mapped anew per chunk: the pages read do not pile up in memory
+            tokens_in = np.memmap(folder / "source-tokens", np.int32, "r") if len(src) else None
+            loss_in = np.memmap(folder / "source-loss", np.uint8, "r") if len(src) else None
+            s, m = src[a:a + 10_000], n[a:a + 10_000]
+            index = np.repeat(s - (out[a:a + 10_000] - out[a]), m) + np.arange(m.sum())
+            flags = loss_in[index] & LOSS
+            flags[(out[a:a + 10_000] - out[a])[new_segment[a:a + 10_000]]] = DOC_START
+            table[:, 2] += count(np.repeat(block[a:a + 10_000], m), flags & LOSS)
+            tokens_out.write(tokens_in[index].tobytes())
+            flags_out.write(flags.tobytes())
+            del tokens_in, loss_in
+    np.save(folder / "blocks.npy", table[table[:, 2] > 0])  # a block with nothing to learn (a long prompt's piece)
+    for name in ("source-tokens", "source-loss"):
+        (folder / name).unlink()
+    return int((lengths > block_size).sum()) if packing != "stream" else 0  # documents cut
+
+
+def prepare(args, tokenizer, local_rank=0):
+    """The train and eval Blocks. Local rank 0 of each node tokenizes and packs them once into a cache keyed by the
+    data, the tokenizer and the settings (a rerun or resume starts at once); the other ranks of the node wait for it
+    (a wait on a file, not a collective: it does not time out on a large corpus), then every rank memory-maps the
+    files, whose pages the node's ranks share."""
+    folder, started = CACHE / cache_key(args, tokenizer), time.time()
+    failed = folder.with_name(f"{folder.name}.failed")  # what local rank 0 could not prepare, for the others to say
+    if local_rank == 0 and not (folder / "meta.json").exists():
+        failed.unlink(missing_ok=True)
+        try:
+            _prepare(args, tokenizer, folder)
+        except SystemExit as e:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            failed.write_text(str(e))
+            raise
+    while not (folder / "meta.json").exists():
+        if failed.exists() and failed.stat().st_mtime >= started - 1:
+            raise SystemExit(failed.read_text())
+        time.sleep(0.5)
+    meta = json.loads((folder / "meta.json").read_text())
+    if meta["format"] == "messages" and not tokenizer.chat_template:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE  # as when preparing; saved with the model at the end
+    return Blocks(folder / "train", meta), Blocks(folder / "eval", meta)
+
+
+def cache_key(args, tokenizer):
+    """What the prepared blocks depend on: the data (a local file's size and time), the tokenizer (its vocabulary,
+    special tokens and chat template) and every flag that changes the tokens or their loss."""
+    h = hashlib.sha256()
+    path = Path(args.dataset)
+    stamp = (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None
+    h.update(json.dumps([VERSION, str(path.resolve()) if path.is_file() else args.dataset, stamp,
+                         args.dataset_config, args.max_train_samples, args.seed, args.block_size, args.packing,
+                         args.train_on_prompt, args.text_column, args.prompt_column, args.completion_column,
+                         args.messages_column]).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update((backend.to_str() if backend is not None else str(sorted(tokenizer.get_vocab().items()))).encode())
+    h.update(json.dumps([tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token]).encode())
+    return h.hexdigest()[:16]
+
+
+def _prepare(args, tokenizer, folder):
+    import datasets
+
+    if tokenizer.eos_token_id is None:
+        fail("the tokenizer has no EOS token; set tokenizer.eos_token before training")
+    train, evaluation = load_splits(args.dataset, args.dataset_config, args.seed, args.max_train_samples)
+    fmt, names = find_format(train.column_names, args)
+    if fmt == "messages" and not getattr(tokenizer, "is_fast", False):
+        fail(f"{args.model}'s tokenizer is not a fast one: the assistant's tokens are found through a fast "
+             f"tokenizer's offsets")
+    if fmt == "messages" and not tokenizer.chat_template:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    partial = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    meta = {"format": fmt, "columns": names}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss": datasets.Sequence(datasets.Value("uint8")), "error": datasets.Value("string")})
+    for name, split in (("train", train), ("eval", evaluation)):
+        (partial / name).mkdir(parents=True, exist_ok=True)
+        rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
+        workers = min(args.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
+        if workers > 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (and no fork warning)
+        docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
+                        num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
+                        fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=args.train_on_prompt))
+        errors = docs.data.column("error").drop_null()
+        if len(errors):
+            fail(f"dataset {args.dataset} ({name} split), {errors[0].as_py()}; fix or drop that row")
+        cut = _write_split(docs, args.block_size, args.packing, partial / name)
+        meta[name] = {"rows": len(rows), "cut": cut}
+    meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows
+    (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    try:
+        partial.rename(folder)
+    except OSError:  # another node's rank 0 finished first (a shared file system): theirs is the same
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blocks -> batches
+
+class Blocks:
+    """A prepared split, memory-mapped. Per block: `lengths` (tokens), `predicted` (tokens that carry loss) and
+    `attended` (the tokens each token attends to, summed: for the FLOPs count), known up front, so the loss
+    normalization and the throughput figures need no device synchronization."""
+
+    def __init__(self, folder, meta):
+        self.tokens = np.memmap(folder / "tokens.bin", np.int32, "r") if (folder / "tokens.bin").stat().st_size else []
+        self.flags = np.memmap(folder / "flags.bin", np.uint8, "r") if (folder / "flags.bin").stat().st_size else []
+        table = np.load(folder / "blocks.npy")
+        self.starts, self.lengths, self.predicted, self.attended = (table[:, i] for i in range(4))
+        self.format, self.examples, self.cut = meta["format"], meta.get("examples", []), meta[folder.name]["cut"]
+        if len(self.starts) == 0 or self.predicted.sum() == 0:
+            fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked everywhere)")
 
     def __len__(self):
         return len(self.starts)
 
-    def batch(self, indices, pad_id, device):
-        """Right-pad the chosen sequences to the longest; padding is masked from attention and from the loss."""
-        indices = torch.as_tensor(indices).reshape(-1)
-        width = int(self.lengths[indices].max()) if len(indices) else 1
-        input_ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(indices), width), dtype=torch.long)
-        for row, i in enumerate(indices.tolist()):
-            n = int(self.lengths[i])
-            input_ids[row, :n] = self.tokens[self.starts[i]:self.ends[i]]
-            mask[row, :n] = 1
-        labels = input_ids.masked_fill(mask == 0, -100)
-        pin = device.type == "cuda"
-        move = lambda t: (t.pin_memory() if pin else t).to(device, non_blocking=pin)
-        return {"input_ids": move(input_ids), "attention_mask": move(mask), "labels": move(labels)}
+    def describe(self, packing):
+        cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
+        return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
+
+    def batch(self, indices, pad_id, device, config, carry_loss=True):
+        """The model's inputs and the loss targets for these blocks. Labels are shifted here, on the host (label t
+        is token t+1, or -100), so the loss never copies the logits to shift them; with them comes the flat index
+        of the positions that carry loss, so the loss computes logits for those only. Each document attends only to
+        itself: a block-diagonal causal mask (unless a row is one whole segment), or, with FlashAttention, the rows
+        laid end to end without padding and cut at the documents' boundaries (varlen). Padding attends to itself
+        only and carries no loss."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        lengths = self.lengths[indices]
+        width = int(lengths.max())
+        cols = np.arange(width)
+        real = cols[None, :] < lengths[:, None]
+        where = np.where(real, self.starts[indices][:, None] + cols[None, :], 0)
+        ids = np.where(real, self.tokens[where], pad_id).astype(np.int64)
+        flags = np.where(real, self.flags[where], DOC_START)  # each pad token is a segment of its own
+        starts = (flags & DOC_START) > 0
+        positions = cols[None, :] - np.maximum.accumulate(np.where(starts, cols[None, :], 0), axis=1)
+        labels = np.full_like(ids, -100)
+        labels[:, :-1] = np.where(flags[:, 1:] & LOSS & carry_loss, ids[:, 1:], -100)
+        layout = attention_layout(getattr(config, "_attn_implementation", None))
+        if layout == "varlen":  # one row of the real tokens; FlashAttention takes the segments' boundaries
+            ids, positions, labels, starts = (x[real][None] for x in (ids, positions, labels, starts))
+            bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
+        segments = np.cumsum(starts, axis=-1)
+        index = torch.from_numpy(np.flatnonzero(labels != -100)).to(device)
+        ids, positions, labels, segments = torch.from_numpy(np.stack([ids, positions, labels, segments])).to(device)
+        inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
+        if layout == "varlen":
+            cu = torch.from_numpy(bounds).to(device)
+            longest = int(np.diff(bounds).max())
+            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        elif starts[:, 1:].any():  # one causal segment per row and no padding: the plain causal mask
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            mask = (segments[:, None, :, None] == segments[:, None, None, :]) & causal
+            if layout == "additive":  # eager attention adds the mask to the scores
+                mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+            inputs["attention_mask"] = mask
+        return inputs, (labels, index)
+
+
+def attention_layout(implementation):
+    """How a batch tells the model where documents end, for its attention implementation: SDPA takes a boolean 4D
+    mask (True: attend), eager attention an additive one (a 4D mask passes transformers' mask building as it is),
+    FlashAttention no mask but the documents' boundaries in one padding-free row (its varlen kernel)."""
+    if implementation and implementation.startswith("flash_attention"):
+        return "varlen"
+    return "additive" if implementation == "eager" else "bool"
 
 
 class GlobalBatches:
-    """The order of training: optimizer step s trains on the same global batch of sequences whatever the number of
+    """The order of training: optimizer step s trains on the same global batch of blocks whatever the number of
     ranks, a new seeded shuffle each epoch. Ranks and micro-steps only split it (see the training loops)."""
 
-    def __init__(self, num_sequences, global_batch, seed):
-        self.num_sequences, self.global_batch, self.seed = num_sequences, global_batch, seed
-        self.steps_per_epoch = num_sequences // global_batch  # a last, partial global batch is dropped
+    def __init__(self, num_blocks, global_batch, seed):
+        self.num_blocks, self.global_batch, self.seed = num_blocks, global_batch, seed
+        self.steps_per_epoch = num_blocks // global_batch  # a last, partial global batch is dropped
         self._epoch, self._order = None, None
 
     def __call__(self, step):
         epoch, k = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.num_sequences, generator=generator)
+            self._epoch, self._order = epoch, torch.randperm(self.num_blocks, generator=generator)
         return self._order[k * self.global_batch:(k + 1) * self.global_batch]
-

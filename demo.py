@@ -63,6 +63,11 @@ def _review(rng, label):
     return " ".join([sentences[0], *middle[: rng.randint(1, 3)], sentences[-1]])
 
 
+STARS = ["1 star", "2 stars", "3 stars", "4 stars", "5 stars"]
+RETURN = ["No.", "Probably not.", "Maybe, if nearby.", "Yes.", "Yes, gladly!"]
+QUESTIONS = ["How many stars does this review give?", "Will the reviewer come back?"]
+
+
 def make_demo_corpus(path, n=4000, seed=0):
     """Write n generated reviews with yelp_review_full's columns (label 0-4, text)."""
     rng = random.Random(seed)
@@ -72,6 +77,33 @@ def make_demo_corpus(path, n=4000, seed=0):
         for _ in range(n):
             label = rng.randrange(5)
             writer.writerow([label, _review(rng, label)])
+
+
+def question(review, kind):
+    return f"Review: {review}\n{QUESTIONS[kind]}"
+
+
+def answer(label, kind):
+    return STARS[label] + "." if kind == 0 else RETURN[label]
+
+
+def make_demo_chats(path, n=4000, seed=0):
+    """Write n generated chats, one per line of a .jsonl file: a user asks a question about a review, the assistant
+    answers it (the `messages` format: the loss falls on the answers only)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            label, kind = rng.randrange(5), rng.randrange(2)
+            messages = [{"role": "user", "content": question(_review(rng, label), kind)},
+                        {"role": "assistant", "content": answer(label, kind)}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def held_out_question(seed=12345):
+    """A question about a review the demo never trains on, and its answer: what `make demo` asks at the end."""
+    rng = random.Random(seed)
+    label = rng.randrange(5)
+    return question(_review(rng, label), 0), answer(label, 0)
 
 
 def make_demo_tokenizer(texts, vocab_size=1000):
@@ -135,47 +167,60 @@ def make_demo_encoder(path, tokenizer, dim=64, layers=2, heads=2, positions=256,
     tokenizer.save_pretrained(path)
 
 
-def demo_assets(root=DEMO_DIR):
-    """Build the demo corpus and model once (atomically, so ranks racing here are safe); return their paths."""
+def assets(root=DEMO_DIR):
+    """Build the demo's data and models once (atomically, so ranks racing here are safe); return their paths."""
     root = Path(root)
     if not (root / "DONE").exists():
         tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=root.parent))
         make_demo_corpus(tmp / "reviews.csv")
+        make_demo_chats(tmp / "questions.jsonl")
         with open(tmp / "reviews.csv") as f:
             texts = [row["text"] for row in csv.DictReader(f)]
-        make_demo_lm(tmp / "opt-demo", make_demo_tokenizer(texts))
+        with open(tmp / "questions.jsonl") as f:
+            chats = [" ".join(m["content"] for m in json.loads(line)["messages"]) for line in f]
+        make_demo_lm(tmp / "opt-demo", make_demo_tokenizer(texts + chats + ["### User: ### Assistant:"]))
         make_demo_encoder(tmp / "distilbert-demo", make_demo_wordpiece_tokenizer(texts))
         (tmp / "DONE").touch()
         try:
             tmp.rename(root)
         except OSError:  # another process finished first: use theirs
             shutil.rmtree(tmp, ignore_errors=True)
-    return root / "reviews.csv", root / "opt-demo", root / "distilbert-demo"
+    return {"reviews": root / "reviews.csv", "questions": root / "questions.jsonl", "lm": root / "opt-demo",
+            "encoder": root / "distilbert-demo"}
 
 
-def demo_defaults():
-    """--demo: the generated corpus and the tiny model, with settings that train in about a minute on a CPU."""
-    corpus, model, _ = demo_assets()
-    return {"dataset": str(corpus), "model": str(model), "text_column": "text", "block_size": 128, "lr": 3e-3,
-            "epochs": 2, "prompt": "The pasta was"}
+def defaults():
+    """--demo: questions about generated reviews, answered by a tiny model trained from scratch, with settings that
+    train in about a minute on a CPU."""
+    paths = assets()
+    return {"dataset": str(paths["questions"]), "model": str(paths["lm"]), "block_size": 128, "lr": 3e-3,
+            "epochs": 3, "log_every": 50, "prompt": held_out_question()[0]}
 
 
-def demo_classification_defaults():
-    corpus, _, encoder = demo_assets()
-    return {"dataset": str(corpus), "model": str(encoder), "text_column": "text", "label_column": "label",
-            "max_length": 128, "lr": 1e-3, "epochs": 3, "batch_size": 32}
+def classification_defaults():
+    paths = assets()
+    return {"dataset": str(paths["reviews"]), "model": str(paths["encoder"]), "text_column": "text",
+            "label_column": "label", "max_length": 128, "lr": 1e-3, "epochs": 3, "batch_size": 32}
 
 
-
-def compare_runs(a, b, first=5):
-    """Print how two runs' losses agree (make demo: single-gpu.py vs zero-optimization.py on the same batches)."""
-    ra, rb = (json.loads((Path(d) / "results.json").read_text()) for d in (a, b))
-    la, lb = np.array(ra["losses"]), np.array(rb["losses"])
-    n = min(len(la), len(lb))
-    rel = np.abs(la[:n] - lb[:n]) / np.abs(la[:n])
-    for d, r, losses in ((a, ra, la), (b, rb, lb)):
-        print(f"{d}: {r['world_size']} rank(s), final loss {losses[-1]:.4f}, eval loss {r['eval_loss']:.4f}, "
-              f"{r['tokens_per_sec']:,.0f} tok/s")
-    print(f"same global batches: step losses agree to {rel[:first].max():.1e} (relative) over the first {first} "
-          f"steps, {rel.max():.1e} at most over all {n}: fp32 rounding differences (another reduction order) grow "
-          f"under Adam at the demo's high learning rate; the tests hold ZeRO 0-3 to 1e-5 at a lower one")
+def summary(single, zero, classification):
+    """What `make demo` ends with: both runs' losses and how they agree, the answers to the held-out question, the
+    classification accuracy."""
+    runs = [(name, json.loads((Path(d) / "results.json").read_text())) for name, d in
+            (("single-gpu.py", single), ("zero-optimization.py", zero))]
+    print("\n--- demo summary " + "-" * 60)
+    for name, r in runs:
+        print(f"{name:<22}{r['world_size']} rank(s)  loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}  eval loss "
+              f"{r['eval_loss']:.3f} (answers only)  {r['tokens_per_sec']:,.0f} tok/s")
+    a, b = (np.array(r["losses"]) for _, r in runs)
+    n = min(len(a), len(b))
+    rel = np.abs(a[:n] - b[:n]) / np.abs(a[:n])
+    print(f"same global batches: the step losses agree to {rel[:5].max():.0e} over the first 5 steps, {rel.max():.0e} "
+          f"at most over all {n} (rounding, which Adam grows at the demo's high learning rate)")
+    question, expected = held_out_question()
+    print(f"held-out question: {question.splitlines()[-1]!r} about a review it never saw; expected {expected!r}")
+    for name, r in runs:
+        print(f"  {name:<20} answered {r.get('sample')!r}")
+    c = json.loads((Path(classification) / "results.json").read_text())
+    print(f"sequence_classification.py ({c['world_size']} ranks): accuracy {c['accuracy']:.3f}, macro-F1 "
+          f"{c['f1_macro']:.3f} on {len(c['labels'])} star ratings")

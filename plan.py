@@ -1,19 +1,22 @@
 """Plan the memory of a fine-tuning run: which ZeRO stage (and offload) fits, and the fastest one that does.
 
     python3 plan.py --model facebook/opt-1.3b --gpus 8 --gpu-memory 80
-    python3 plan.py --model facebook/opt-6.7b --gpus 1 --gpu-memory 24 --cpu-memory 256 --gradient-checkpointing
-    python3 plan.py --model ./my-model --gpus 8 --nodes 4 --gpu-memory 80 --batch-size 4 --block-size 2048
+    python3 plan.py --model facebook/opt-6.7b --gpus 1 --gpu-memory 24 --lora-rank 16 --gradient-checkpointing
+    python3 plan.py --model ./my-model --gpus 8 --nodes 4 --gpu-memory 80 --batch-size 4 --block-size 2048 --json
 
-Per GPU: model states (weights, gradients, optimizer state) plus activations for the micro-batch; per node: CPU
-memory. Model states for bf16/fp16 training with Adam: ZeRO-0 and ZeRO-1 by the ZeRO paper's arithmetic (2 bytes
-of 16-bit weights, 2 of gradients, 12 of fp32 master weights and Adam moments per parameter: 16Psi and
-4Psi + 12Psi/N); ZeRO-2 and ZeRO-3, with and without CPU offload, by DeepSpeed's own estimators. Activations by
-Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models": 34·s·b·h bytes per
-layer in 16-bit with fused attention (no s² scores kept), 2·s·b·h per layer with gradient checkpointing (plus one
-layer recomputed at a time), and the logits: 16-bit, their fp32 copy for the loss and its gradient, 10 bytes each.
+Per GPU: the model states (weights, gradients, fp32 master weights, Adam moments and DeepSpeed's own buffers) as
+DeepSpeed 0.19.8 allocates them on this project's path, one accounting for every stage, read from its source
+(runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py) and checked against the bytes each rank holds
+(tests/test_plan.py: within 10% at every stage, offload, precision, 1 and 2 ranks; docs/planner.md); then the
+peak of a step: activations and logits as the loss path holds them, buckets, transients. Per node: CPU memory.
+Activations follow Korthikanti et al. (2022), 34·s·b·h bytes per layer in 16 bits; on GPUs they are an estimate
+(not yet measured). Where DeepSpeed's own estimators disagree with its source, the source wins (docs/planner.md).
 """
 import argparse
+import json
+import math
 import sys
+import warnings
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
@@ -24,52 +27,139 @@ OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096),
               "opt-2.7b": (2560, 32, 32, 10240), "opt-6.7b": (4096, 32, 32, 16384), "opt-13b": (5120, 40, 40, 20480),
               "opt-30b": (7168, 48, 56, 28672), "opt-66b": (9216, 64, 72, 36864)}
 HEADROOM = 0.9  # of GPU memory usable by tensors: the CUDA context, allocator fragmentation and buffers take the rest
+REUSE_DISTANCE = 1e9  # ds_config_zero3.json's stage3_max_reuse_distance: gathered parameters kept this long
+ZERO2_BUCKET = 2e8  # ds_config_zero2.json's reduce_bucket_size (elements): allocated during the backward pass only
+OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload",
+           "ZeRO-3 + NVMe offload"]  # fastest first
 
 
 def load_config(name):
-    try:
-        return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError):
-        shape = OPT_SHAPES.get(name.split("/")[-1])
-        if shape is None:
-            sys.exit(f"error: cannot load a config for {name!r} (not a local folder, and the hub did not answer); "
-                     f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}")
+    """The model's config: the published OPT shapes offline, else a local folder or the hub."""
+    shape = OPT_SHAPES.get(name.split("/")[-1]) if name.startswith("facebook/") else None
+    if shape:
         hidden, layers, heads, ffn = shape
         return OPTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=ffn,
                          word_embed_proj_dim=512 if name.endswith("350m") else hidden, max_position_embeddings=2048)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError):
+        sys.exit(f"error: cannot load a config for {name!r} (not a local folder, and the hub did not answer); "
+                 f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}")
+
+
+def parameters(config, lora_rank=0, lora_targets="all-linear"):
+    """(numel, trainable) of every parameter tensor (tied ones once), built on the meta device (nothing allocated);
+    with LoRA, the adapters peft would add (trainable) and the base (frozen)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        if lora_rank:
+            from peft import LoraConfig, get_peft_model
+            targets = "all-linear" if lora_targets == "all-linear" else lora_targets.split(",")
+            model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets, task_type="CAUSAL_LM"))
+    return list({id(p): (p.numel(), p.requires_grad) for p in model.parameters()}.values())
 
 
 def count_params(config):
-    """(all parameters, tied ones once; the largest number held directly by one module), without allocating."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    total = sum({id(p): p.numel() for p in model.parameters()}.values())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return total, largest
+    """(all parameters, tied ones once; the largest number held directly by one module)."""
+    params = parameters(config)
+    return sum(n for n, _ in params), max(n for n, _ in params)
 
 
-def model_states(psi, largest, gpus_per_node, nodes):
-    """{option: (GPU bytes, CPU bytes per node)} for model states."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
+def model_states(params, hidden, precision, ranks, option):
+    """Bytes of model states one rank holds: {"after_backward", "after_step", "in_step", "gpu", "cpu"} (gpu/cpu:
+    how the after-backward figure splits with offload). b: bytes of a weight in the training precision."""
+    b = 4 if precision in ("fp32", "tf32") else 2
+    n = ranks
+    trainable = sum(k for k, t in params if t)
+    frozen = sum(k for k, t in params if not t)
+    largest = max((k for k, t in params if t), default=0)
+    shard = lambda sel: sum(math.ceil(k / n) for k, t in params if sel(t))  # ZeRO-3 pads each tensor to n parts
+    persistent = sum(k for k, t in params if k <= 10 * hidden) if n > 1 else 0  # stage3_param_persistence_threshold
+    rbs = hidden * hidden  # ZeRO-3's reduce_bucket_size ("auto")
+    stage = int(option[5])
+    if stage == 0:  # the whole of everything on every rank; 16-bit runs keep an fp32 master and its fp32 grads
+        weights = (b if b == 2 else 4) * (trainable + frozen)
+        master = 4 * trainable if b == 2 else 0
+        grads = b * trainable
+        held = weights + master + 8 * trainable
+        return dict(after_backward=held + grads, after_step=held, in_step=held + grads + (4 * trainable if b == 2 else 0),
+                    gpu=held + grads, cpu=0)
+    if stage in (1, 2):  # one flat 16-bit buffer; fp32 master, moments and the reduced gradients partitioned
+        weights = b * (trainable + frozen)
+        mine = trainable / n
+        states = 12 * mine  # fp32 master + 2 Adam moments, always a separate copy (also in fp32 runs)
+        if "offload" in option:  # states on the CPU; a 16-bit staging copy there, a gradient buffer on each side
+            gpu = weights + b * largest
+            cpu = states + 4 * mine + b * mine + b * largest
+            return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
+        held = weights + states
+        return dict(after_backward=held + b * mine, after_step=held, in_step=held + b * mine + 4 * mine,
+                    gpu=held + b * mine, cpu=0)
+    # stage 3: everything partitioned: trainable 16-bit shards, a persistent 16-bit gradient partition, fp32 master
+    # and moments; frozen shards; small parameters also held whole (gathered, persistent); one reduce bucket.
+    # (LoRA adapters are made after the model's zero.Init: DeepSpeed partitions them in their own dtype, fp32.)
+    lora = frozen > 0
+    bt = 4 if lora else b
+    p_train, p_frozen = shard(lambda t: t), shard(lambda t: not t)
+    sharded = (2 * bt + 12) * p_train + b * p_frozen
+    if "offload" in option:  # parameters and optimizer state on the CPU; the bucket and small parameters stay
+        gpu = b * rbs + b * persistent
+        cpu = (16 + 2 * bt) * p_train + b * p_frozen if "CPU" in option else 0
+        return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
+    held = sharded + b * rbs + b * persistent
+    return dict(after_backward=held, after_step=held, in_step=held + 4 * p_train - b * persistent, gpu=held, cpu=0)
 
-    n = gpus_per_node * nodes
-    per_node = lambda cpu_gpu: (cpu_gpu[1], cpu_gpu[0])  # DeepSpeed's estimators return (cpu, gpu)
-    cpu_load = 4 * psi * gpus_per_node * 1.5  # without offload: each process loads the model on CPU first
-    return {
-        "ZeRO-0": (16 * psi, cpu_load),
-        "ZeRO-1": (4 * psi + 12 * psi / n, cpu_load),
-        "ZeRO-2": per_node(zero2(psi, gpus_per_node, nodes, cpu_offload=False)),
-        "ZeRO-3": per_node(zero3(psi, largest, gpus_per_node, nodes, cpu_offload=False)),
-        "ZeRO-2 + CPU offload": per_node(zero2(psi, gpus_per_node, nodes, cpu_offload=True)),
-        "ZeRO-3 + CPU offload": per_node(zero3(psi, largest, gpus_per_node, nodes, cpu_offload=True)),
-    }
+
+def activations(batch, seq, config, precision, checkpointing, loss_chunk):
+    """Peak bytes of activations per GPU: 34·s·b·h per layer in 16 bits (twice that in fp32), 2·s·b·h per layer with
+    checkpointing plus one layer recomputed; and the logits as the loss path holds them: all (tokens x vocabulary),
+    16-bit, their fp32 copy and its gradient, or one chunk of --loss-chunk tokens at a time."""
+    scale = 2 if precision in ("fp32", "tf32") else 1
+    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    per_layer = 34 * seq * batch * hidden * scale
+    kept = (2 * seq * batch * hidden * layers * scale + per_layer) if checkpointing else per_layer * layers
+    return kept + logits_bytes(batch * seq, vocab, precision, loss_chunk)
 
 
-def activations(batch, seq, hidden, layers, vocab, checkpointing):
-    per_layer = 34 * seq * batch * hidden
-    kept = 2 * seq * batch * hidden * layers + per_layer if checkpointing else per_layer * layers
-    return kept + 10 * batch * seq * vocab
+def logits_bytes(tokens, vocab, precision, loss_chunk):
+    per_logit = 8 if precision in ("fp32", "tf32") else 12  # fp32: logits + gradient; 16-bit: + the fp32 copies
+    return min(tokens, loss_chunk or tokens) * vocab * per_logit
+
+
+def plan(args):
+    config = load_config(args.model)
+    params = parameters(config, args.lora_rank, args.lora_targets)
+    ranks = args.gpus * args.nodes
+    acts = activations(args.batch_size, args.block_size, config, args.precision, args.gradient_checkpointing,
+                       args.loss_chunk)
+    b = 4 if args.precision in ("fp32", "tf32") else 2
+    total = sum(k for k, _ in params)
+    rows = []
+    for option in OPTIONS:
+        states = model_states(params, config.hidden_size, args.precision, ranks, option)
+        transient = 0
+        if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets during backward
+            transient = 2 * b * ZERO2_BUCKET
+        if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)
+            transient = b * min(total, REUSE_DISTANCE)
+        peak = max(states["gpu"] + transient + acts, states["in_step"] - states["cpu"])
+        load = 0 if option.startswith("ZeRO-3") else 4 * total * args.gpus  # each process loads the model on CPU
+        cpu = states["cpu"] * args.gpus + load
+        fits = peak <= args.gpu_memory * GiB * HEADROOM and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB)
+        rows.append({"option": option, "model_states_bytes_per_gpu": states["gpu"],
+                     "held_after_step_bytes_per_rank": states["after_step"], "activations_bytes_per_gpu": acts,
+                     "peak_bytes_per_gpu": peak, "cpu_bytes_per_node": cpu, "fits": fits})
+    return config, params, rows
+
+
+def recommend(rows, gpus, nodes):
+    """The fastest option that fits. On one GPU, ZeRO-1, 2 and 3 shard nothing: ZeRO-0 (single-gpu.py) or offload."""
+    for row in rows:
+        if gpus * nodes == 1 and row["option"] in ("ZeRO-1", "ZeRO-2", "ZeRO-3"):
+            continue
+        if row["fits"]:
+            return row["option"]
+    return None
 
 
 def main(argv=None):
@@ -79,35 +169,43 @@ def main(argv=None):
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
     p.add_argument("--cpu-memory", type=float, help="GiB of CPU memory per node (checked when given)")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16", "fp16"])
     p.add_argument("--batch-size", type=int, default=8, help="sequences per GPU per micro-step")
     p.add_argument("--block-size", type=int, default=512, help="tokens per sequence")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--loss-chunk", type=int, default=2048, help="as the scripts' flag (0: all logits at once)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: full fine-tuning)")
+    p.add_argument("--lora-targets", default="all-linear")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")  # the libraries' deprecation notes, from building the model on the meta device
     for flag in ("gpus", "nodes", "gpu_memory", "batch_size", "block_size"):
         if getattr(args, flag) <= 0:
             sys.exit(f"error: --{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
 
-    config = load_config(args.model)
-    psi, largest = count_params(config)
-    act = activations(args.batch_size, args.block_size, config.hidden_size, config.num_hidden_layers,
-                      config.vocab_size, args.gradient_checkpointing)
-    usable = args.gpu_memory * GiB * HEADROOM
-    print(f"{args.model}: {psi / 1e9:.2f}B parameters; {args.nodes} node(s) x {args.gpus} GPU(s) of "
-          f"{args.gpu_memory:g} GiB; micro-batch {args.batch_size} x {args.block_size} tokens, activations "
-          f"{act / GiB:.1f} GiB per GPU{' (gradient checkpointing)' if args.gradient_checkpointing else ''}")
-    print(f"{'option':<22}{'model states/GPU':>18}{'+ activations':>15}{'CPU/node':>11}  fits")
-    plans = []
-    for option, (gpu, cpu) in model_states(psi, largest, args.gpus, args.nodes).items():
-        fits = gpu + act <= usable and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB)
-        plans.append((option, fits))
-        print(f"{option:<22}{gpu / GiB:>15.1f} GiB{(gpu + act) / GiB:>11.1f} GiB{cpu / GiB:>7.0f} GiB  "
-              f"{'yes' if fits else 'no'}")
-    best = next((option for option, fits in plans if fits), None)  # listed from fastest to slowest
+    config, params, rows = plan(args)
+    best = recommend(rows, args.gpus, args.nodes)
+    total, trainable = sum(k for k, _ in params), sum(k for k, t in params if t)
+    if args.json:
+        print(json.dumps({"model": args.model, "parameters": total, "trainable_parameters": trainable,
+                          "options": {r.pop("option"): r for r in rows}, "recommended": best}, indent=1))
+        return 0 if best else 1
+    lora = f", LoRA rank {args.lora_rank}: {trainable / 1e6:.1f}M trainable" if args.lora_rank else ""
+    print(f"{args.model}: {total / 1e9:.2f}B parameters{lora}; {args.nodes} node(s) x {args.gpus} GPU(s) of "
+          f"{args.gpu_memory:g} GiB; {args.precision}, micro-batch {args.batch_size} x {args.block_size} tokens, "
+          f"activations {rows[0]['activations_bytes_per_gpu'] / GiB:.1f} GiB per GPU"
+          f"{' (gradient checkpointing)' if args.gradient_checkpointing else ''}")
+    print(f"{'option':<24}{'model states/GPU':>17}{'peak/GPU':>11}{'CPU/node':>11}  fits")
+    for r in rows:
+        print(f"{r['option']:<24}{r['model_states_bytes_per_gpu'] / GiB:>13.1f} GiB{r['peak_bytes_per_gpu'] / GiB:>7.1f} "
+              f"GiB{r['cpu_bytes_per_node'] / GiB:>7.0f} GiB  {'yes' if r['fits'] else 'no'}")
     if best:
-        print(f"recommended: {best} (the fastest that fits {HEADROOM:.0%} of the GPU memory)")
+        where = " (single-gpu.py on one GPU)" if best == "ZeRO-0" and args.gpus * args.nodes == 1 else ""
+        print(f"recommended: {best}{where}, the fastest that fits {HEADROOM:.0%} of the GPU memory")
         return 0
-    hint = "" if args.gradient_checkpointing else "--gradient-checkpointing, "
-    print(f"nothing fits: try {hint}a smaller --batch-size or --block-size, more GPUs, or --offload nvme")
+    hints = [h for h, on in (("--gradient-checkpointing", not args.gradient_checkpointing),
+                             ("--lora-rank 16", not args.lora_rank)) if on]
+    print(f"nothing fits: try {', '.join(hints + ['a smaller --batch-size or --block-size, more GPUs'])}")
     return 1
 
 

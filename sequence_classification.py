@@ -9,18 +9,21 @@ The same DeepSpeed configs as zero-optimization.py: the Trainer fills their "aut
 Places to tune are marked `To-Do:`.
 """
 import argparse
-import os
+import contextlib
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
-                          TrainingArguments, pipeline)
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, PrinterCallback,
+                          Trainer, TrainerCallback, TrainingArguments, pipeline)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import data
 import demo
+import hardware
+import models
 import training
 import zero_utils
 
@@ -46,16 +49,65 @@ def class_labels(train, evaluation, column, name):
     return [str(n) for n in names], train, evaluation
 
 
-def classification_metrics(predictions, labels, num_classes):
+def classification_metrics(logits, labels, num_classes):
     """Accuracy and macro-averaged F1 (each class's F1, averaged with equal weight), computed here: evaluate.load
-    would need the hub."""
-    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    would need the hub. And the score that picks the best epoch: accuracy, ties broken by the lower mean
+    cross-entropy (the eval loss), which moves by less than one example's share of accuracy."""
+    logits, labels = np.asarray(logits, dtype=np.float64), np.asarray(labels)
+    predictions = np.argmax(logits, axis=-1)
     f1s = []
     for c in range(num_classes):
         tp = np.sum((predictions == c) & (labels == c))
         fp, fn = np.sum((predictions == c) & (labels != c)), np.sum((predictions != c) & (labels == c))
         f1s.append(2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0)
-    return {"accuracy": float(np.mean(predictions == labels)), "f1_macro": float(np.mean(f1s))}
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    cross_entropy = float(np.mean(np.log(np.exp(shifted).sum(axis=-1)) - shifted[np.arange(len(labels)), labels]))
+    accuracy = float(np.mean(predictions == labels))
+    return {"accuracy": accuracy, "f1_macro": float(np.mean(f1s)),
+            "accuracy_then_loss": accuracy - min(cross_entropy, 100.0) / (101.0 * len(labels))}
+
+
+def trainer_deepspeed_config(path, device):
+    """The JSON for the Trainer, which fills its "auto" values itself, but not the optimizer choice: torch's AdamW
+    unless offloaded (zero_utils.choose_optimizer), so nothing is compiled at run time."""
+    if not path:
+        return None
+    try:
+        config = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        training.fail(f"DeepSpeed config {path} does not exist; pass --deepspeed with a JSON file")
+    except json.JSONDecodeError as e:
+        training.fail(f"DeepSpeed config {path} is not valid JSON ({e}); fix the file")
+    return zero_utils.choose_optimizer(config, device.type == "cuda")
+
+
+class EpochLine(TrainerCallback):
+    """One line per epoch, after its evaluation: the training loss of the epoch's last steps and the eval figures."""
+
+    def __init__(self, say):
+        self.say, self.loss, self.said = say, None, None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.loss = (logs or {}).get("loss", self.loss)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if metrics and state.epoch is not None and state.epoch != self.said:  # not again for the final evaluate()
+            self.said = state.epoch
+            self.say(f"epoch {state.epoch:g}/{args.num_train_epochs:g} | train loss {self.loss or float('nan'):.4f} | "
+                     f"eval loss {metrics['eval_loss']:.4f} | accuracy {metrics['eval_accuracy']:.3f}")
+
+
+@contextlib.contextmanager
+def quiet_loading(verbose):
+    import transformers
+
+    level = transformers.utils.logging.get_verbosity()
+    if not verbose:
+        transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(level)
 
 
 def check_trainer_resume(folder, world_size, deepspeed):
@@ -83,8 +135,8 @@ def parse_args(argv=None):
     # model (To-Do: your encoder; bf16 on A100/H100-class GPUs)
     p.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder of an encoder")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model that ships its own code")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto: bf16 on GPUs that have it, else fp32")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+                   help="auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs")
     # train (To-Do: the largest --batch-size that fits, then --grad-accum; --lr)
     p.add_argument("--batch-size", type=int, default=16, help="texts per device per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -100,13 +152,15 @@ def parse_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
     p.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"],
                    help="W&B reads WANDB_API_KEY from the environment")
+    p.add_argument("--verbose", action="store_true", help="the libraries' warnings and logs too")
     p.add_argument("--demo", action="store_true", help="tiny encoder + generated corpus shipped with the repo")
-    # DeepSpeed (the HF convention: a path; without it, no DeepSpeed)
-    p.add_argument("--deepspeed", "--deepspeed_config", dest="deepspeed", help="DeepSpeed JSON config")
+    # DeepSpeed: off without the flag; --deepspeed alone is ds_config_zero2.json
+    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(training.HERE / "ds_config_zero2.json"),
+                   metavar="CONFIG", help="DeepSpeed JSON config")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
-        p.set_defaults(**demo.demo_classification_defaults())
+        p.set_defaults(**demo.classification_defaults())
         args = p.parse_args(argv)
     return args
 
@@ -115,29 +169,34 @@ def main(argv=None):
     args = parse_args(argv)
 
     # -------------------------------------------------------------------------------- setup
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # who this process is (srun's tasks too), and its GPU, made current before anything touches CUDA: the Trainer
+    # would set it only once it builds its state, after DeepSpeed's process group and the model
+    rank, local_rank, world_size = zero_utils.launch_env(world_of_one=bool(args.deepspeed))
+    device = hardware.first_device(local_rank)
     say = print if rank == 0 else (lambda *a, **k: None)
-    cuda = torch.cuda.is_available()
-    args.precision = training.resolve_precision(args.precision, torch.device("cuda" if cuda else "cpu"))
+    training.quiet(args.verbose, rank)
+    args.precision = hardware.choose_precision(args.precision, hardware.facts(device))
+    hardware.set_matmul_precision(args.precision)
     for flag in ("lr", "batch_size", "grad_accum", "max_length", "epochs"):
         if getattr(args, flag) <= 0:
             training.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.deepspeed and not os.path.isfile(args.deepspeed):
-        training.fail(f"DeepSpeed config {args.deepspeed} does not exist; pass --deepspeed with a JSON file")
+    ds_config = trainer_deepspeed_config(args.deepspeed, device)
     out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     if args.resume:
         say(f"resuming from {check_trainer_resume(out / 'checkpoints', world_size, args.deepspeed).name}")
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         import deepspeed
-        zero_utils.single_process_env()  # a plain `python3` run is a world of one (DeepSpeed would look for MPI)
         deepspeed.init_distributed()
 
     # -------------------------------------------------------------------------------- data
-    train, evaluation = data.load_splits(args.dataset, args.text_column, args.seed)
+    train, evaluation = data.load_splits(args.dataset, seed=args.seed)
+    if args.text_column not in train.column_names:
+        training.fail(f"dataset {args.dataset} has no column {args.text_column!r} (it has "
+                      f"{', '.join(train.column_names)}); pass --text-column")
     names, train, evaluation = class_labels(train, evaluation, args.label_column, args.dataset)
     examples = list(evaluation.select(range(min(3, len(evaluation))))[args.text_column])  # shown at the end
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
-    tokenizer = training.load_pretrained(AutoTokenizer, args.model, **remote)
+    tokenizer = models.load_pretrained(AutoTokenizer, args.model, **remote)
     tokenize = lambda batch: tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length)
     train, evaluation = (split.select_columns([args.text_column, "labels"]).map(
         tokenize, batched=True, remove_columns=[args.text_column]) for split in (train, evaluation))
@@ -153,24 +212,29 @@ def main(argv=None):
         max_grad_norm=args.max_grad_norm, num_train_epochs=args.epochs, lr_scheduler_type="cosine",
         seed=args.seed, bf16=args.precision == "bf16", fp16=args.precision == "fp16",
         eval_strategy="epoch", save_strategy="epoch", save_total_limit=2, load_best_model_at_end=True,
-        metric_for_best_model="accuracy", logging_steps=10, report_to=args.report_to, deepspeed=args.deepspeed,
-        use_cpu=not cuda,  # on a machine without CUDA; without it a distributed launch miscounts the world size
-        dataloader_pin_memory=cuda)
-    model = training.load_pretrained(
-        AutoModelForSequenceClassification, args.model, num_labels=len(names), **remote,
-        id2label=dict(enumerate(names)),
-        label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)  # a fresh head for our labels
+        metric_for_best_model="accuracy_then_loss", greater_is_better=True,  # of equal accuracies, the lower loss
+        logging_steps=10, report_to=args.report_to, deepspeed=ds_config, disable_tqdm=not args.verbose,
+        log_level="warning" if args.verbose else "error",
+        use_cpu=device.type == "cpu",  # on a machine without CUDA; without it a distributed launch miscounts ranks
+        dataloader_pin_memory=device.type == "cuda")
+    with quiet_loading(args.verbose):  # transformers reports the new head's weights as missing: they are new on purpose
+        model = models.load_pretrained(
+            AutoModelForSequenceClassification, args.model, num_labels=len(names), **remote,
+            id2label=dict(enumerate(names)),
+            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)  # a fresh head for our labels
+    say(f"{args.model}: a new classification head for {len(names)} classes")
     # The classification loss is a mean over the batch and ignores `num_items_in_batch`; the Trainer (transformers
     # 5.23) would still multiply it by the number of processes, doubling the gradients on 2 ranks.
     model.accepts_loss_kwargs = False
 
     def compute_metrics(prediction):
-        return classification_metrics(np.argmax(prediction.predictions, axis=-1), prediction.label_ids,
-                                             len(names))
+        return classification_metrics(prediction.predictions, prediction.label_ids, len(names))
 
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-                      compute_metrics=compute_metrics)
+                      compute_metrics=compute_metrics, callbacks=[EpochLine(say)])
+    if not args.verbose:
+        trainer.remove_callback(PrinterCallback)  # a dict of figures every logging_steps: EpochLine instead
 
     # -------------------------------------------------------------------------------- train, evaluate, save
     start = time.perf_counter()
@@ -188,7 +252,7 @@ def main(argv=None):
         training.write_json(out / "results.json", results)
         say(f"accuracy {results['accuracy']:.3f} | macro-F1 {results['f1_macro']:.3f} | "
             f"eval loss {results['eval_loss']:.4f} | saved {final}")
-        classify = pipeline("text-classification", model=str(final), device=0 if cuda else -1, **remote)
+        classify = pipeline("text-classification", model=str(final), device=device, **remote)
         for text in examples:
             answer = classify(text)[0]
             say(f"{answer['label']:>12} ({answer['score']:.2f})  {text[:70]!r}")

@@ -1,40 +1,56 @@
 """Fine-tune a causal language model on one device with plain PyTorch.
 
     python3 single-gpu.py                          # facebook/opt-125m on yelp_review_full
-    python3 single-gpu.py --demo                   # a tiny model trained from scratch on a generated corpus (CPU ok)
-    python3 single-gpu.py --model ./my-model --dataset train.jsonl --text-column text
+    python3 single-gpu.py --demo                   # a tiny model learns to answer questions about reviews (CPU ok)
+    python3 single-gpu.py --model ./my-model --dataset chats.jsonl --lora-rank 16
 
-zero-optimization.py is this file plus the edits DeepSpeed ZeRO needs, each marked `# ZeRO:`;
+single-gpu.py and zero-optimization.py differ only by the edits DeepSpeed ZeRO needs, each marked `# ZeRO:`:
 `diff single-gpu.py zero-optimization.py` shows them. Places to tune are marked `To-Do:`.
 """
 import argparse
-import contextlib
 import math
-import time
+
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
 import data
 import demo
+import hardware
+import loss
+import models
 import training
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # data (To-Do: your dataset and its text column; --block-size up to the model's context)
+    # data (To-Do: your dataset; text, prompt + completion, or messages, found from the columns: docs/data.md)
     p.add_argument("--dataset", default="yelp_review_full", help="hub name or local .csv/.json/.jsonl/.txt/.parquet")
-    p.add_argument("--text-column", default="text")
+    p.add_argument("--dataset-config", help="the hub dataset's subset, if it has several")
+    p.add_argument("--text-column", help="plain text, the loss on every token (default: a column named text)")
+    p.add_argument("--prompt-column", help="the loss on the completion only (default: columns prompt, completion)")
+    p.add_argument("--completion-column")
+    p.add_argument("--messages-column", help="chats, the loss on the assistant's turns only (default: messages)")
+    p.add_argument("--train-on-prompt", action="store_true", help="the loss on prompts and user turns too")
     p.add_argument("--block-size", type=int, default=512, help="tokens per training sequence")
-    p.add_argument("--no-packing", dest="packing", action="store_false", help="one text per sequence, padded")
-    # model (To-Do: your model; bf16 on A100/H100-class GPUs; checkpointing when activations do not fit)
+    p.add_argument("--packing", default="isolated", choices=["isolated", "stream", "none"],
+                   help="isolated: whole documents per block, each attending to itself; stream: cut a stream")
+    p.add_argument("--max-train-samples", type=int, default=0, help="train on the first N rows only (0: all)")
+    p.add_argument("--num-proc", type=int, default=0, help="processes that tokenize (0: the cores)")
+    # model (To-Do: your model; --lora-rank 16 when full fine-tuning does not fit; checkpointing for activations)
     p.add_argument("--model", default="facebook/opt-125m", help="hub id or local folder of a causal LM")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model that ships its own code")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="auto: bf16 on GPUs that have it, else fp32")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
+                   help="auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
     p.add_argument("--compile", action="store_true", help="torch.compile: faster steps after a slow first one")
+    p.add_argument("--loss-chunk", type=int, default=2048,
+                   help="tokens per piece of the loss, so the logits of all tokens never exist at once (0: at once)")
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
+    p.add_argument("--lora-alpha", type=float, default=32, help="the adapters' scale is alpha / rank")
+    p.add_argument("--lora-targets", default="all-linear", help="comma-separated module names (default: every "
+                                                                "linear layer of attention and MLP)")
     # train (To-Do: the largest --batch-size that fits, then --grad-accum for the global batch you want; --lr)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
@@ -52,11 +68,12 @@ def parse_args(argv=None):
     p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
-    p.add_argument("--prompt", default="The food was", help="text to continue with the saved model ('' to skip)")
-    p.add_argument("--demo", action="store_true", help="tiny model + generated corpus shipped with the repo")
+    p.add_argument("--prompt", default="The food was", help="what the trained model answers at the end ('' skips)")
+    p.add_argument("--verbose", action="store_true", help="the libraries' warnings and logs too")
+    p.add_argument("--demo", action="store_true", help="tiny model + generated questions about reviews (CPU ok)")
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
-        p.set_defaults(**demo.demo_defaults())
+        p.set_defaults(**demo.defaults())
         args = p.parse_args(argv)
     return args
 
@@ -65,154 +82,112 @@ def main(argv=None):
     args = parse_args(argv)
 
     # -------------------------------------------------------------------------------- setup
-    rank, world_size = 0, 1
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, local_rank, world_size = 0, 0, 1
+    device = hardware.first_device(local_rank)  # this process's GPU, made current before anything touches CUDA
     say = tqdm.write if rank == 0 else (lambda *a, **k: None)
-    args.precision = training.resolve_precision(args.precision, device)
+    training.quiet(args.verbose, rank)
+    args.precision = hardware.choose_precision(args.precision, hardware.facts(device))  # To-Do: --precision
+    hardware.set_matmul_precision(args.precision)
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
-    config = training.load_pretrained(AutoConfig, args.model, **remote)
+    config = models.load_pretrained(AutoConfig, args.model, **remote)
     training.check_args(args, getattr(config, "max_position_embeddings", None))
     out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     torch.manual_seed(args.seed)
 
     # -------------------------------------------------------------------------------- data
-    tokenizer = training.load_pretrained(AutoTokenizer, args.model, **remote)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_texts, eval_texts = data.load_splits(args.dataset, args.text_column, args.seed)
-    train = data.tokenize(train_texts, tokenizer, args.text_column, args.block_size, args.packing)
-    evals = data.tokenize(eval_texts, tokenizer, args.text_column, args.block_size, args.packing)
+    tokenizer = models.load_tokenizer(args.model, **remote)
+    train, evals = data.prepare(args, tokenizer, local_rank)  # tokenized and packed once per node, then mapped
     global_batch = args.batch_size * args.grad_accum * world_size  # sequences per optimizer step
     batches = data.GlobalBatches(len(train), global_batch, args.seed)
     if batches.steps_per_epoch == 0:
         training.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
-                    f"lower --batch-size or --grad-accum, or add data")
+                      f"lower --batch-size or --grad-accum, or add data")
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
     # -------------------------------------------------------------------------------- model and optimizer
-    model = training.load_pretrained(AutoModelForCausalLM, args.model, dtype=torch.float32, **remote)  # fp32 master
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    folder = training.resume_folder(out, args, world_size)[0] if args.resume else None  # the newest checkpoint
+    model = models.load_causal_lm(args, config, device, **remote)  # fp32 master weights, the fastest attention
+    model = models.prepare_model(model, args)  # LoRA adapters (--lora-rank), gradient checkpointing, chunked loss
     model.to(device)
     optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=training.ADAM_BETAS, eps=training.ADAM_EPS, fused=device.type == "cuda")
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
-    autocast = (contextlib.nullcontext() if args.precision == "fp32"
-                else torch.autocast(device.type, dtype=training.AMP_DTYPES[args.precision]))
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16", **training.FP16_SCALER)
+    autocast = hardware.autocast(device, args.precision)  # bf16, fp16: mixed precision over the fp32 weights
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()
-    n_params = training.count_params(model)
-    flops_per_token = training.flops_per_token(config, args.block_size, n_params)
-
-    start_step, losses = 0, []
-    if args.resume:
-        tag = training.latest_checkpoint(out)
-        training.check_resume(out / "checkpoints" / tag, args, world_size)
-        state = torch.load(out / "checkpoints" / tag / "state.pt", weights_only=False)
+    stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
+    if folder:
+        state = torch.load(folder / "state.pt", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        start_step, losses = state["step"], state["losses"]
-        training.set_rng_state(state["rng"])
-        say(f"resumed from {tag}: step {start_step} of {total_steps}")
+        training.set_rng_state(state["rng"], device)
+        stats.restore(state["stats"])
+        say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
     # -------------------------------------------------------------------------------- train
-    say(f"{n_params / 1e6:.1f}M parameters | {len(train)} sequences of <= {args.block_size} tokens | "
-        f"{total_steps} steps of {global_batch} sequences ({args.batch_size} per micro-step x {args.grad_accum} "
-        f"micro-steps x {world_size} ranks) | precision {args.precision} | {device}")
+    say(f"{stats.describe()} | {train.describe(args.packing)} | {total_steps} steps of {global_batch} sequences "
+        f"({args.batch_size} per micro-step x {args.grad_accum} micro-steps x {world_size} ranks) | {args.precision} | "
+        f"{device}")
     model.train()
-    pending, tokens_seen, train_time, skipped_steps, intervals = [], 0, 0.0, 0, []
-    interval_start, interval_tokens = time.perf_counter(), 0
-    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=rank != 0)
+    bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps, disable=rank != 0)
     for step in bar:
         indices = batches(step)  # the global batch: the same sequences whatever the number of ranks
-        n_targets = int(train.targets[indices].sum())  # tokens predicted in the whole global batch
+        predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(args.grad_accum, -1):
-            batch = train.batch(micro, pad_id, device)
+            inputs, labels = train.batch(micro, tokenizer.pad_token_id, device, config)
             with autocast:
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = training.token_loss_sum(logits, batch["labels"]) / n_targets
-            scaler.scale(loss).backward()
-            step_loss += loss.detach()
+                batch_loss = loss.token_loss_sum(model, inputs, labels) / predicted
+            scaler.scale(batch_loss).backward()
+            step_loss += batch_loss.detach()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        scale = scaler.get_scale() if scaler.is_enabled() else 0.0
+        scale = scaler.get_scale()  # fp16 only: a host sync (DeepSpeed syncs for the same check)
         scaler.step(optimizer)  # fp16: skips the update when a gradient overflowed, and lowers the scale
         scaler.update()
-        skipped_steps += scaler.is_enabled() and scaler.get_scale() < scale
-        scheduler.step()
+        if scaler.get_scale() >= scale:  # a skipped update leaves the LR schedule where it was, as DeepSpeed does
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        pending.append(step_loss)
-        interval_tokens += int(train.lengths[indices].sum())
+        stats.end_step(step_loss, train, indices)
 
-        log_now = (step + 1) % args.log_every == 0 or step + 1 == total_steps
-        save_now = args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps)
-        if log_now or save_now:  # the one host-device sync: bring the interval's losses over, and check them
-            step_losses = torch.stack(pending)
-            training.check_finite(step_losses.tolist(), first_step=len(losses) + 1)
-            losses += step_losses.tolist()
-            pending = []
-
-        if log_now:
-            elapsed = time.perf_counter() - interval_start
-            train_time, tokens_seen = train_time + elapsed, tokens_seen + interval_tokens
-            intervals.append([step + 1, elapsed, interval_tokens])  # throughput over time, for bench/
-            line = (f"step {step + 1}/{total_steps} | loss {losses[-1]:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                    f"{interval_tokens / elapsed:,.0f} tok/s")
-            peak = training.peak_tflops(device)
-            if peak:
-                tflops = flops_per_token * interval_tokens / elapsed / world_size / 1e12
-                mem = training.peak_memory_bytes(device) / 2**30
-                line += f" | {tflops:.0f} TFLOPs/GPU | MFU {100 * tflops / peak:.1f}% | peak mem {mem:.1f} GiB"
-            say(line)
-            interval_start, interval_tokens = time.perf_counter(), 0
-
-        if save_now:  # into a temporary folder; published (renamed, then pointed to) only once complete
-            save_start, tag, ckpt = time.perf_counter(), f"step-{step + 1}", out / "checkpoints"
-            (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                        "step": step + 1, "losses": losses, "rng": training.rng_state()},
-                       ckpt / f".tmp-{tag}" / "state.pt")
-            if rank == 0:
-                training.write_json(ckpt / f".tmp-{tag}" / "run.json", {  # what a resume checks
-                    "step": step + 1, "global_batch_size": global_batch, "world_size": world_size})
-                training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
-            interval_start += time.perf_counter() - save_start  # checkpointing is not training time
+        if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
+            say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))
+        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
+            with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
+                tag, ckpt = f"step-{step + 1}", out / "checkpoints"
+                (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
+                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                            "stats": stats.state(), "rng": training.rng_state(device)},
+                           ckpt / f".tmp-{tag}" / "state.pt")
+                if rank == 0:  # what a resume checks, the arguments, the code's version
+                    training.write_json(ckpt / f".tmp-{tag}" / "run.json",
+                                        training.run_record(step + 1, args, global_batch, world_size, model))
+                    training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
 
     # -------------------------------------------------------------------------------- evaluate
-    sums = training.evaluate(model, evals, args.batch_size, pad_id, device, autocast, rank, world_size)
+    sums = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, device, config, autocast, rank,
+                                   world_size)
     eval_loss = (sums[0] / sums[1]).item()
-    if skipped_steps:
-        say(f"fp16: the loss scaler skipped {int(skipped_steps)} of {total_steps - start_step} steps (overflow)")
     say(f"eval loss {eval_loss:.4f} | perplexity {training.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
 
     # -------------------------------------------------------------------------------- save
     final = out / "final"
-    if rank == 0:
-        model.save_pretrained(final)  # safetensors
-        tokenizer.save_pretrained(final)
-    params_bytes = [training.params_held_bytes(model)]
-    results = {"losses": losses, "eval_loss": eval_loss, "perplexity": training.perplexity(eval_loss),
-               "train_runtime_s": train_time, "train_tokens": tokens_seen, "tokens_per_sec": tokens_seen / train_time,
-               "log_intervals": intervals, "peak_memory_bytes": training.peak_memory_bytes(device),
-               "params_bytes_per_rank": params_bytes,
-               "world_size": world_size, "global_batch_size": global_batch, "precision": args.precision,
-               "skipped_steps": int(skipped_steps)}
+    if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
+        models.save_final(model, tokenizer, final)
+    held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
+    results = stats.results(eval_loss, world_size, global_batch, held)
     if rank == 0:
         training.write_json(out / "results.json", results)
-        training.plot_losses(losses, out / "loss.png")
+        training.plot_losses(stats.losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
-
-    if args.prompt and rank == 0:  # reload what was saved, as a user would, and continue the prompt
-        reloaded = AutoModelForCausalLM.from_pretrained(final, **remote).to(device).eval()
-        prompt = [tokenizer.eos_token_id] + tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
-        generated = reloaded.generate(torch.tensor([prompt], device=device), max_new_tokens=30, do_sample=False,
-                                      pad_token_id=pad_id)
-        say(f"sample: {tokenizer.decode(generated[0, 1:], skip_special_tokens=True)!r}")
+    results["sample"] = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # never fails
+    if rank == 0 and results["sample"] is not None:
+        training.write_json(out / "results.json", results)
     return results
 
 

@@ -1,16 +1,27 @@
-"""What single-gpu.py and zero-optimization.py share and is not their lesson: checks of the flags, the loss and
-its evaluation, model helpers, the run folder and its checkpoints, random state, results, throughput figures."""
+"""What single-gpu.py and zero-optimization.py share and is not their lesson: checks, quiet output, the run folder
+and its checkpoints, random state, progress and throughput, evaluation, results."""
+import contextlib
 import json
+import logging
 import math
 import os
 import resource
 import shutil
+import subprocess
+import time
+import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+import hardware
+import loss
 
 HERE = Path(__file__).resolve().parent
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
+# fp16's dynamic loss scale, the same as the ds_config files' "fp16" block: start at 2^16, halve at an overflow (and
+# skip that step), double after 1000 steps without one. DeepSpeed's hysteresis is 1 there: torch has none.
+FP16_SCALER = {"init_scale": 2.0**16, "growth_interval": 1000}
 
 
 def fail(message):
@@ -18,75 +29,30 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+def quiet(verbose, rank):
+    """Rank 0 prints the project's lines, and the libraries speak up only for errors: no Python warnings, their
+    loggers at warning level (transformers' at error on ranks > 0). --verbose brings everything back."""
+    if verbose:
+        return
+    warnings.filterwarnings("ignore", module=r"(torch|deepspeed|transformers|datasets|accelerate|peft|huggingface_hub)")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import datasets
+    import transformers
 
-def token_loss_sum(logits, labels):
-    """Summed next-token cross-entropy; the scripts divide by the global batch's predicted-token count, so each
-    token weighs the same however the batch is split over micro-steps and ranks."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=-100, reduction="sum")
-
-
-@torch.no_grad()
-def evaluate(model, blocks, batch_size, pad_id, device, autocast, rank=0, world_size=1):
-    """(summed loss, predicted tokens) over this rank's share of the eval set. Every rank runs the same number of
-    forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a fully masked batch."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    per_step = batch_size * world_size
-    for start in range(0, len(blocks), per_step):
-        mine = torch.arange(start, min(start + per_step, len(blocks)))[rank * batch_size:(rank + 1) * batch_size]
-        batch = blocks.batch(mine if len(mine) else [0], pad_id, device)
-        if not len(mine):
-            batch["labels"].fill_(-100)
-        with autocast:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        total[0] += token_loss_sum(logits, batch["labels"]).double()
-        total[1] += (batch["labels"][:, 1:] != -100).sum()
-    model.train()
-    return total
-
-
-def perplexity(loss):
-    return math.exp(loss) if loss < 700 else float("inf")  # exp overflows a float past ~709
-
-
-# ----------------------------------------------------------------------------------------------------
-# Model and optimizer helpers
-
-def load_pretrained(loader, name, **kwargs):
-    """loader.from_pretrained(name), with one line saying what to do when it cannot (no weights, unknown id, offline)."""
-    try:
-        return loader.from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        if Path(name).is_dir():
-            fail(f"cannot load {name} ({first}); a model folder needs config.json, the weights (model.safetensors) "
-                 f"and the tokenizer files, as save_pretrained writes them")
-        fail(f"cannot load {name!r}: it is not a local folder, and the hub did not give it ({first}); check the id, "
-             f"the network (HF_HUB_OFFLINE), or HF_TOKEN in the environment for a gated model")
-
-
-def param_groups(model, weight_decay):
-    """AdamW groups: no weight decay on biases and normalization weights (one-dimensional parameters)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def resolve_precision(precision, device):
-    if precision == "auto":  # bf16 where the hardware has it, else fp32 (fp16 only when asked)
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return precision
-
-
-ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
-AMP_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    transformers.utils.logging.set_verbosity_warning() if rank == 0 else transformers.utils.logging.set_verbosity_error()
+    datasets.utils.logging.set_verbosity_warning()
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
 
 
 def check_args(args, max_positions):
-    for flag in ("lr", "batch_size", "grad_accum", "block_size"):
+    for flag in ("lr", "batch_size", "grad_accum", "block_size", "log_every"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    for flag in ("save_every", "keep_checkpoints", "max_train_samples", "num_proc", "loss_chunk", "lora_rank"):
+        if getattr(args, flag) < 0:
+            fail(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
     if args.max_steps <= 0 and args.epochs <= 0:
         fail("set --epochs or --max-steps to a positive number")
     if args.block_size < 2:
@@ -95,19 +61,17 @@ def check_args(args, max_positions):
         fail(f"--block-size {args.block_size} is beyond the model's {max_positions} positions; lower it")
 
 
-def count_params(model):
-    """Parameters that do matrix work (position embeddings are only looked up), counted whole under ZeRO-3 too."""
-    return sum(getattr(p, "ds_numel", p.numel()) for n, p in model.named_parameters() if "position" not in n)
-
-
-def params_held_bytes(model):
-    """Bytes of parameters this rank holds; under ZeRO-3 a parameter keeps only its shard (ds_tensor)."""
-    return sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size() for p in model.parameters())
-
+def param_groups(model, weight_decay):
+    """AdamW groups: no weight decay on biases and normalization weights (one-dimensional parameters). Under ZeRO-3 a
+    parameter is a flat shard: its shape is in ds_shape."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    matrix = lambda p: len(getattr(p, "ds_shape", p.shape)) >= 2
+    return [{"params": [p for p in trainable if matrix(p)], "weight_decay": weight_decay},
+            {"params": [p for p in trainable if not matrix(p)], "weight_decay": 0.0}]
 
 
 # ----------------------------------------------------------------------------------------------------
-# Output folder, checkpoints, results
+# The run folder and its checkpoints
 
 def prepare_output_dir(path, overwrite, resume, rank):
     """Refuse to overwrite a run by accident: a finished one needs --overwrite, an unfinished one --resume."""
@@ -134,24 +98,20 @@ def prepare_output_dir(path, overwrite, resume, rank):
     return out
 
 
-def latest_checkpoint(out):
-    """The tag `checkpoints/latest` points to; it only ever points to a complete checkpoint."""
+def resume_folder(out, args, world_size, zero_stage=None):
+    """The newest complete checkpoint (`checkpoints/latest` only ever names one), and what it was written with (its
+    run.json). The batch order is a function of the step and the global batch, so a resume that changes the global
+    batch would train on other data: refused; and a change of ZeRO stage (each lays its files out differently)."""
     root = Path(out) / "checkpoints"
     try:
         tag = (root / "latest").read_text().strip()
     except FileNotFoundError:
         fail(f"--resume: {root} has no complete checkpoint (no 'latest' pointer); start over with --overwrite")
-    if not (root / tag).is_dir():
+    folder = root / tag
+    if not folder.is_dir():
         fail(f"--resume: {root / 'latest'} names {tag}, which is missing; point it at a step-N folder there")
-    return tag
-
-
-def check_resume(folder, args, world_size, zero_stage=None):
-    """What the checkpoint was written with (its run.json). The batch order is a function of the step and the global
-    batch, so a resume that changes the global batch would train on other data: refuse it; and a change of ZeRO
-    stage (each stage lays its files out differently)."""
     try:
-        saved = json.loads((Path(folder) / "run.json").read_text())
+        saved = json.loads((folder / "run.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         fail(f"--resume: {folder} has no readable run.json (written by an older version?); start over with --overwrite")
     want, per_micro_step = saved["global_batch_size"], args.batch_size * world_size
@@ -162,11 +122,12 @@ def check_resume(folder, args, world_size, zero_stage=None):
              f"{args.batch_size} x {args.grad_accum} micro-steps x {world_size} ranks = "
              f"{args.batch_size * args.grad_accum * world_size}; pass {hint} to make {want}, or the steps would see "
              f"other data")
-    if zero_stage is not None and saved["zero_stage"] != zero_stage:
-        fail(f"--resume: {folder} was written with ZeRO stage {saved['zero_stage']} and this run has stage "
-             f"{zero_stage}; resume with --zero-stage {saved['zero_stage']} (another number of ranks is fine)")
-    return saved
-
+    if zero_stage is not None and saved.get("zero_stage") != zero_stage:
+        fail(f"--resume: {folder} was written with ZeRO stage {saved.get('zero_stage')} and this run has stage "
+             f"{zero_stage}; resume with --zero-stage {saved.get('zero_stage')} (another number of ranks is fine)")
+    if saved.get("lora_rank", 0) != args.lora_rank:
+        fail(f"--resume: {folder} was written with --lora-rank {saved.get('lora_rank', 0)}; resume with it")
+    return folder, saved
 
 
 def publish_checkpoint(root, tag, keep):
@@ -184,28 +145,162 @@ def publish_checkpoint(root, tag, keep):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def check_finite(losses, first_step):
-    """Stop at a NaN or inf loss, naming its step (checked before any checkpoint is written, so none holds it)."""
-    for step, loss in enumerate(losses, first_step):
-        if not math.isfinite(loss):
-            fail(f"the loss is {loss} at step {step}: training diverged (lower --lr, use bf16 rather than fp16) "
-                 f"or the model or data hold NaN/inf; the checkpoints are all from before step {step}")
+def run_record(step, args, global_batch, world_size, model):
+    """run.json beside each checkpoint: what a resume checks, the run's arguments and the code's version."""
+    try:
+        code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        code = None
+    stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
+    return {"step": step, "global_batch_size": global_batch, "world_size": world_size, "zero_stage": stage,
+            "lora_rank": args.lora_rank, "args": vars(args), "code_version": code}
 
 
-def rng_state():
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+def rng_state(device):
+    """This process's random state: the CPU's and its own GPU's only. (get_rng_state_all() would save every GPU the
+    process sees, and a resume that sees fewer would fail.)"""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def set_rng_state(state):
+def set_rng_state(state, device):
     torch.set_rng_state(state["cpu"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        cuda = state["cuda"]
+        torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda, device)  # a list: an older checkpoint
+
+
+# ----------------------------------------------------------------------------------------------------
+# Progress: losses, throughput, MFU
+
+class RunStats:
+    """The run's bookkeeping, kept out of the training loop: the losses (held on the device between log lines, so
+    the loop has one host sync per interval), tokens and time (checkpoints and the first interval, the warm-up, left
+    out of the steady-state figures), FLOPs and MFU. `reduce` adds the ranks' shares of each step's loss."""
+
+    def __init__(self, config, model, args, device, reduce=None):
+        self.config, self.args, self.device, self.reduce = config, args, device, reduce
+        inner = getattr(model, "module", model)
+        numel = lambda p: getattr(p, "ds_numel", p.numel())
+        self.total = sum(numel(p) for p in {id(p): p for p in inner.parameters()}.values())
+        self.trainable = sum(numel(p) for p in {id(p): p for p in inner.parameters() if p.requires_grad}.values())
+        self.matmul_params = hardware.matmul_params(inner)
+        facts = hardware.facts(device)
+        self.peak = hardware.peak_tflops(facts.name, args.precision) if facts.kind == "cuda" else None
+        self.step, self.losses, self.pending, self.intervals = 0, [], [], []
+        self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
+        self.interval_start = time.perf_counter()
+
+    def describe(self):
+        share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
+        peak = f" | MFU against {self.peak[1]}" if self.peak else ""
+        return f"{self.total / 1e6:.1f}M parameters, {share}{peak}"
+
+    def end_step(self, step_loss, blocks, indices):
+        self.step += 1
+        self.pending.append(step_loss)
+        self.interval_tokens += int(blocks.lengths[indices].sum())
+        self.interval_attended += int(blocks.attended[indices].sum())
+
+    def _flush(self):
+        """The pending losses, on the host (a sync), summed over the ranks, and checked: a NaN stops the run before
+        any checkpoint could hold it."""
+        if not self.pending:
+            return
+        losses = torch.stack(self.pending)
+        if self.reduce:
+            self.reduce(losses)
+        first = len(self.losses) + 1
+        self.losses += losses.tolist()
+        self.pending = []
+        for step, value in enumerate(self.losses[first - 1:], first):
+            if not math.isfinite(value):
+                fail(f"the loss is {value} at step {step}: training diverged (lower --lr, use bf16 rather than "
+                     f"fp16) or the model or data hold NaN/inf; the checkpoints are all from before step {step}")
+
+    def log_due(self, step, total_steps):
+        return (step + 1) % self.args.log_every == 0 or step + 1 == total_steps
+
+    def log_line(self, step, total_steps, lr):
+        self._flush()
+        elapsed = time.perf_counter() - self.interval_start
+        self.train_time, self.tokens = self.train_time + elapsed, self.tokens + self.interval_tokens
+        attended = self.interval_attended / max(1, self.interval_tokens)
+        self.intervals.append([step + 1, elapsed, self.interval_tokens, attended])
+        line = (f"step {step + 1}/{total_steps} | loss {self.losses[-1]:.4f} | lr {lr:.2e} | "
+                f"{self.interval_tokens / elapsed:,.0f} tok/s")
+        mfu = self.mfu(self.intervals[-1:]) if len(self.intervals) > 1 else None  # the first interval warms up
+        if mfu is not None:
+            line += f" | MFU {100 * mfu:.1f}% | peak mem {peak_memory_bytes(self.device) / 2**30:.1f} GiB"
+        self.interval_start, self.interval_tokens, self.interval_attended = time.perf_counter(), 0, 0
+        return line
+
+    def mfu(self, intervals):
+        """Model FLOPs utilization over these log intervals: FLOPs done per second per GPU over the peak."""
+        if not self.peak or not intervals:
+            return None
+        flops = sum(hardware.flops_per_token(self.config, self.matmul_params, a) * t for _, _, t, a in intervals)
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return flops / sum(s for _, s, _, _ in intervals) / world_size / (self.peak[0] * 1e12)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent here (writing a checkpoint) is not training time."""
+        start = time.perf_counter()
+        yield
+        self.interval_start += time.perf_counter() - start
+
+    def state(self):
+        self._flush()
+        return {"step": self.step, "losses": self.losses, "train_time": self.train_time, "tokens": self.tokens,
+                "intervals": self.intervals}
+
+    def restore(self, state):
+        self.step, self.losses, self.intervals = state["step"], state["losses"], state["intervals"]
+        self.train_time, self.tokens = state["train_time"], state["tokens"]
+
+    def results(self, eval_loss, world_size, global_batch, held_bytes):
+        self._flush()
+        steady = self.intervals[1:] or self.intervals
+        return {"losses": self.losses, "eval_loss": eval_loss, "perplexity": perplexity(eval_loss),
+                "train_runtime_s": self.train_time, "train_tokens": self.tokens,
+                "tokens_per_sec": self.tokens / self.train_time if self.train_time else None,
+                "mfu": self.mfu(steady), "log_intervals": self.intervals,
+                "peak_memory_bytes": peak_memory_bytes(self.device), "model_state_bytes_per_rank": held_bytes,
+                "trainable_params": self.trainable, "total_params": self.total, "world_size": world_size,
+                "global_batch_size": global_batch, "precision": self.args.precision}
 
 
 def peak_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident memory of this process
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation and results
+
+@torch.no_grad()
+def eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank=0, world_size=1):
+    """(summed loss, predicted tokens) over this rank's share of the eval set, as a float64 tensor to all-reduce.
+    Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing
+    left runs a batch whose loss is masked out."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    per_step = args.batch_size * world_size
+    for start in range(0, len(blocks), per_step):
+        mine = torch.arange(start, min(start + per_step, len(blocks)))[rank * args.batch_size:
+                                                                       (rank + 1) * args.batch_size]
+        inputs, labels = blocks.batch(mine if len(mine) else [0], pad_id, device, config, carry_loss=len(mine) > 0)
+        with autocast:
+            total[0] += loss.token_loss_sum(model, inputs, labels).double()
+        total[1] += len(labels[1])
+    model.train()
+    return total
+
+
+def perplexity(value):
+    return math.exp(value) if value < 700 else float("inf")  # exp overflows a float past ~709
 
 
 def write_json(path, data):
@@ -225,29 +320,3 @@ def plot_losses(losses, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Throughput: FLOPs per token and the device's peak
-
-PEAK_BF16_TFLOPS = {  # dense, no sparsity, from the vendors' data sheets
-    "H200": 989, "H100 SXM": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "GH200": 989,
-    "A100": 312, "A800": 312, "L40S": 362, "L40": 181, "A10G": 70, "A10": 125, "L4": 121,
-    "RTX 4090": 165, "RTX 3090": 71, "V100": 125,  # V100: fp16 (it has no bf16)
-}
-
-
-def peak_tflops(device):
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-
-
-def flops_per_token(config, seq_len, num_params):
-    """6N + 12·L·H·Q·T (the PaLM appendix, as in nanoGPT and torchtitan): N parameters in matmuls, L layers, H heads,
-    Q head size, T sequence length; the second term is attention's score and value products, forward and back."""
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    return 6 * num_params + 12 * layers * hidden * seq_len
-
-

@@ -1,35 +1,77 @@
-"""DeepSpeed plumbing for zero-optimization.py (and sequence_classification.py under DeepSpeed): the process
-group's environment and timeouts, the config's "auto" values, resharding a checkpoint, the entry point."""
+"""DeepSpeed plumbing for zero-optimization.py (and sequence_classification.py under DeepSpeed): who this process is,
+the collectives' timeouts, the config's "auto" values, resuming on another number of ranks, the entry point."""
+import datetime
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from training import ADAM_BETAS, ADAM_EPS, fail, set_rng_state
+import hardware
+import training
+from training import ADAM_BETAS, ADAM_EPS, FP16_SCALER, fail
 
-def single_process_env():
-    """Under a launcher (deepspeed, torchrun, srun) these are set; for a plain `python3` run, make it a world of one
-    on this host (DeepSpeed would otherwise look for MPI)."""
-    if "RANK" not in os.environ:
+DEFAULT_CONFIG = training.HERE / "ds_config_zero3.json"
+
+
+def launch_env(environ=None, world_of_one=True):
+    """RANK, LOCAL_RANK and WORLD_SIZE, setting them (and the rendezvous) when no launcher did.
+
+    deepspeed and torchrun set them. `srun python3 zero-optimization.py` starts one process per task with SLURM's
+    variables only: without this, each task would be a silent world of one training the same batches into the same
+    folder. A plain `python3` run is a world of one on this host (DeepSpeed would otherwise look for MPI)."""
+    environ = os.environ if environ is None else environ
+    environ.update(slurm_env(environ) or {})
+    if "RANK" not in environ and world_of_one:
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]  # a free port, so two such runs do not collide
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+        environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=environ.get("MASTER_PORT", str(port)))
+    # DeepSpeed picks the GPU from LOCAL_RANK (the process group's device_id, the engine, ZeRO-3's Init): a process
+    # that sees one GPU only (SLURM's --gpus-per-task) must say 0 there
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible:
+        environ["LOCAL_RANK"] = str(hardware.device_index(int(environ.get("LOCAL_RANK", 0)), visible))
+    return int(environ.get("RANK", 0)), int(environ.get("LOCAL_RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+
+
+def slurm_env(environ):
+    """The torch.distributed variables of a task that srun started without a launcher, or None when a launcher set
+    them (RANK is there) or this is no multi-task srun step (a batch script, or `srun --pty bash`: one task)."""
+    if "RANK" in environ or int(environ.get("SLURM_STEP_NUM_TASKS", "1")) <= 1:
+        return None
+    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if "SLURM_PROCID" not in environ or "SLURM_LOCALID" not in environ or not nodes:
+        fail("srun started this task without SLURM_PROCID, SLURM_LOCALID or SLURM_STEP_NODELIST; launch with "
+             "`srun torchrun ...` (job/slurm.sbatch) instead")
+    job = int(environ.get("SLURM_JOB_ID", "0"))
+    return {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
+            "LOCAL_RANK": environ["SLURM_LOCALID"], "MASTER_ADDR": environ.get("MASTER_ADDR", first_host(nodes)),
+            "MASTER_PORT": environ.get("MASTER_PORT", str(20000 + job % 20000))}  # the same in every task of the job
+
+
+def first_host(nodelist):
+    """The first host of a SLURM node list, as `scontrol show hostnames` gives it: 'gpu[07-08,11],cpu1' -> 'gpu07',
+    'rack[1-2]-n[01-04]' -> 'rack1-n01', 'a[1-2]-ib' -> 'a1-ib'."""
+    first = re.match(r"((?:[^,\[]|\[[^\]]*\])+)", nodelist.strip())
+    if not first:
+        fail(f"cannot read SLURM's node list {nodelist!r}; set MASTER_ADDR to the first node's address")
+    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first.group(1))
 
 
 def collective_timeout(seconds):
     """A bound on every collective. init_process_group's timeout covers only the world group; DeepSpeed builds its
     ZeRO groups with new_group(), which falls back to torch's module default (30 min on gloo, 10 on NCCL), so a
     stuck rank would hang the others that long. Set that default too, before DeepSpeed makes its groups."""
-    import datetime
-
     import torch.distributed.distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=seconds)
@@ -40,9 +82,7 @@ def collective_timeout(seconds):
 def run_distributed(main):
     """Run main() of a distributed script. When a collective fails because another rank died or stopped answering
     (--dist-timeout), end with one line instead of a traceback; the launcher then stops the other ranks and says which
-    one exited. After a successful run, leave without the interpreter's teardown: all outputs are written by then,
-    and a native thread of the communication stack occasionally aborts the process there ("terminate called without
-    an active exception", exit 250), which a launcher would report as a failed run."""
+    one exited."""
     try:
         main()
     except RuntimeError as e:
@@ -54,12 +94,21 @@ def run_distributed(main):
         raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
                          f"answering; see the launcher's log for which, then rerun with --resume")
     remove_shm_buffer()
-    import logging
+    if skip_teardown(torch.cuda.is_available()):
+        # On CPU (gloo), about one run in 200 aborts in the interpreter's teardown, after every output is written
+        # ("terminate called without an active exception", exit 250): a native thread of the CPU communication
+        # stack still joinable at exit. A launcher would report that as a failed run, so leave without the teardown
+        # there, flushing first. GPU runs (NCCL) exit normally: exit handlers (W&B, TensorBoard, profilers) run.
+        import logging
 
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def skip_teardown(cuda_available):
+    return not cuda_available
 
 
 def remove_shm_buffer():
@@ -75,13 +124,14 @@ def remove_shm_buffer():
 # ----------------------------------------------------------------------------------------------------
 # The DeepSpeed config: "auto" means "from the flags", like the HF Trainer
 
-def deepspeed_config(path, args, world_size, total_steps, warmup_steps, hidden_size):
-    """Read the JSON config and fill its "auto" values from the flags. An explicit value that disagrees with a flag
-    is an error naming both; --zero-stage and --offload override the file."""
+def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
+    """Read the JSON config (--deepspeed PATH) and fill its "auto" values from the flags. An explicit value that
+    disagrees with a flag is an error naming both; --zero-stage and --offload override the file."""
+    path = args.deepspeed
     try:
         config = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        fail(f"DeepSpeed config {path} does not exist; pass --deepspeed_config with a JSON file")
+        fail(f"DeepSpeed config {path} does not exist; pass --deepspeed with a JSON file")
     except json.JSONDecodeError as e:
         fail(f"DeepSpeed config {path} is not valid JSON ({e}); fix the file")
     zero = config.setdefault("zero_optimization", {})
@@ -95,9 +145,10 @@ def deepspeed_config(path, args, world_size, total_steps, warmup_steps, hidden_s
             zero["offload_param"] = {**zero["offload_optimizer"]}
         else:
             zero.pop("offload_param", None)
+    check_offload(zero)
+    choose_optimizer(config, torch.cuda.is_available())
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         config.setdefault(key, "auto")  # the loop needs these three to be what the flags say
-    has_scheduler = "scheduler" in config
     values = [  # (key in the JSON, value from the flags, flag named in an error)
         ("train_micro_batch_size_per_gpu", args.batch_size, "--batch-size"),
         ("gradient_accumulation_steps", args.grad_accum, "--grad-accum"),
@@ -114,6 +165,10 @@ def deepspeed_config(path, args, world_size, total_steps, warmup_steps, hidden_s
         ("scheduler.params.total_num_steps", total_steps, "--epochs/--max-steps"),
         ("bf16.enabled", args.precision == "bf16", "--precision"),
         ("fp16.enabled", args.precision == "fp16", "--precision"),
+        # the loss scale of single-gpu.py's GradScaler (training.FP16_SCALER), so the pair skips the same steps
+        ("fp16.initial_scale_power", int(math.log2(FP16_SCALER["init_scale"])), "training.FP16_SCALER"),
+        ("fp16.loss_scale_window", FP16_SCALER["growth_interval"], "training.FP16_SCALER"),
+        ("fp16.hysteresis", 1, "torch's GradScaler (no hysteresis)"),
         # ZeRO-3 buffer sizes scale with the hidden size (the HF Trainer's rule)
         ("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, None),
         ("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size), None),
@@ -143,7 +198,33 @@ def deepspeed_config(path, args, world_size, total_steps, warmup_steps, hidden_s
     except ValidationError as e:
         error = e.errors()[0]
         fail(f"{path}: zero_optimization.{'.'.join(map(str, error['loc']))}: {error['msg']}; fix or remove it")
-    return config, has_scheduler
+    return config
+
+
+def choose_optimizer(config, cuda):
+    """Fill the optimizer's "torch_adam" and "fused" when "auto": torch's AdamW (fused on GPUs), which nothing has to
+    compile, unless the optimizer state is offloaded. Without "torch_adam", DeepSpeed builds its FusedAdam with nvcc on
+    the first run (a minute; and every run fails on a machine whose torch came from PyPI without the CUDA toolkit).
+    With offload, the step runs on the CPU in DeepSpeedCPUAdam, which DeepSpeed compiles with the system's C++
+    compiler on first use (job/preflight.py --offload checks for what it needs)."""
+    params = config.get("optimizer", {}).get("params", {})
+    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if params.get("torch_adam") == "auto":
+        params["torch_adam"] = not offload
+    if params.get("fused") == "auto":
+        if params.get("torch_adam"):
+            params["fused"] = cuda
+        else:
+            params.pop("fused")  # DeepSpeedCPUAdam takes no such argument
+    return config
+
+
+def check_offload(zero):
+    """DeepSpeed offloads the optimizer state to NVMe only at stage 3; below it, "device": "nvme" silently becomes CPU
+    memory and nvme_path is ignored."""
+    if zero.get("offload_optimizer", {}).get("device") == "nvme" and zero.get("stage", 0) != 3:
+        fail(f"--offload nvme needs ZeRO stage 3 (at stage {zero.get('stage', 0)} DeepSpeed would quietly use CPU "
+             f"memory instead); pass --zero-stage 3, or --offload cpu")
 
 
 def _walk(node, prefix=""):
@@ -154,41 +235,89 @@ def _walk(node, prefix=""):
             yield f"{prefix}{key}", value
 
 
+def gathered_state_dict(engine):
+    """The model's whole state dict on rank 0 for saving it in Hugging Face format (a collective: every rank calls
+    it), or None where rank 0 already holds every weight (ZeRO 0-2). ZeRO-3 gathers the shards one layer at a time,
+    in the training precision. Trainable parameters that are few (LoRA adapters) come from the fp32 master weights:
+    in a bf16 run the working copies are rounded."""
+    from deepspeed.utils import safe_get_full_fp32_param
 
-def universal_checkpoint(folder, rank):
-    """DeepSpeed's universal form of a ZeRO checkpoint, for a resume on another number of ranks:
-    each parameter's fp32 weights and Adam moments, whole, in <folder>/universal; DeepSpeed cuts them into this
-    run's shards as it loads them. Rank 0 converts once (DeepSpeed's ds_to_universal), into a temporary folder that
-    it renames when done; the other ranks wait. Returns the folder to load, or `folder` itself when it holds no
-    optimizer shards (ZeRO-0 in fp32 saves the whole optimizer state, which loads on any number of ranks)."""
-    import torch.distributed as dist
-    folder = Path(folder)
-    target = folder / "universal"
-    if not list(folder.glob("*optim_states.pt")):
+    module = engine.module
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    lora = sum(getattr(p, "ds_numel", p.numel()) for _, p in trainable) < sum(
+        getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+    state = engine._zero3_consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() else None
+    if lora:
+        masters = {n: safe_get_full_fp32_param(p) for n, p in trainable}  # a collective under ZeRO-3
+        if torch.distributed.get_rank() == 0:
+            state = state if state is not None else dict(module.state_dict())
+            state.update({n: m.cpu() for n, m in masters.items() if m is not None})  # ZeRO-0 keeps no separate master
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resume, also on another number of ranks
+
+def resume_folder(out, args, world_size, ds_config, rank, say):
+    """The checkpoint to load: the newest one, or, when another number of ranks wrote it, DeepSpeed's universal form
+    of it (each parameter's fp32 weights and Adam moments, whole, cut into this run's shards as they load). A
+    checkpoint without optimizer shards (ZeRO-0 in fp32 saves the whole optimizer state) loads as it is."""
+    folder, saved = training.resume_folder(out, args, world_size, ds_config["zero_optimization"].get("stage", 0))
+    if saved["world_size"] == world_size:
         return folder
+    if not list(folder.glob("*optim_states.pt")):
+        say(f"{folder.name} was written by {saved['world_size']} ranks and loaded on {world_size}: ZeRO-0 saves the "
+            f"whole optimizer state, nothing to reshard")
+        return folder
+    target = universal_checkpoint(folder, rank)
+    ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    say(f"{folder.name} was written by {saved['world_size']} ranks and loaded on {world_size}: DeepSpeed resharded "
+        f"ZeRO's optimizer state from {target}")
+    return target
+
+
+def universal_checkpoint(folder, rank, poll_seconds=1.0):
+    """Rank 0 converts the checkpoint once with DeepSpeed's ds_to_universal, into a temporary folder that it renames
+    when done, with as many processes as the node has cores. The other ranks wait for the folder to appear: a wait on
+    a file, not a barrier, so a conversion that takes longer than --dist-timeout (a 7B checkpoint) does not look like
+    a lost rank. If rank 0 fails, the launcher stops them."""
+    target = folder / "universal"
     if rank == 0 and not target.exists():
         partial = folder / ".tmp-universal"
         shutil.rmtree(partial, ignore_errors=True)
-        # our checkpoints carry no Megatron tensor-parallel metadata: --inject_missing_state adds the empty default
+        shards = len(list(folder.glob("*optim_states.pt")))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # extraction: a process per rank's shard; merging: a process per parameter, each holding one whole
+        # parameter's three states, so fewer. No Megatron tensor-parallel metadata here: --inject_missing_state.
         convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                                   "--input_folder", str(folder), "--output_folder", str(partial),
-                                  "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                                 capture_output=True, text=True)
+                                  "--inject_missing_state", "--num_extract_workers", str(max(1, min(cores, shards))),
+                                  "--num_merge_workers", str(max(1, min(cores, 8)))], capture_output=True, text=True)
         if convert.returncode != 0:
             last = (convert.stderr.strip() or convert.stdout.strip() or "no output").splitlines()[-1]
             fail(f"--resume: DeepSpeed could not convert {folder} to a universal checkpoint ({last}); resume with "
                  f"the number of ranks that wrote it")
         partial.rename(target)
-    dist.barrier()  # the other ranks load what rank 0 converted
+    while not target.exists():
+        time.sleep(poll_seconds)
     return target
 
 
-def restore_rng(folder, rank, seed, step):
-    """Each rank's random state (dropout) as saved; a rank the checkpoint did not have starts a fresh stream."""
-    path = Path(folder) / f"rng-{rank}.pt"
+def after_load(engine, folder, rank, args, step, device):
+    """What load_checkpoint leaves to us: each rank's random state (dropout) as saved, a fresh stream for a rank the
+    checkpoint did not have; and two repairs of DeepSpeed 0.19.8's ZeRO-3 universal load
+    (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), which gives every parameter group the first
+    group's settings (weight decay on biases and norms) and one `step` tensor shared by all, which torch's AdamW then
+    advances once per group and step."""
+    path = (folder.parent if folder.name == "universal" else folder) / f"rng-{rank}.pt"
     if path.exists():
-        set_rng_state(torch.load(path, weights_only=False))
+        training.set_rng_state(torch.load(path, weights_only=False), device)
     else:
-        torch.manual_seed(seed + 1_000_003 * step + rank)
-
-
+        torch.manual_seed(args.seed + 1_000_003 * step + rank)
+    if folder.name == "universal" and engine.zero_optimization_partition_weights():
+        optimizer = engine.optimizer.optimizer
+        for group, decay in zip(optimizer.param_groups, (args.weight_decay, 0.0)):  # training.param_groups' order
+            group["weight_decay"] = decay
+        for state in optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()

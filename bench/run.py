@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import demo  # noqa: E402
-import training  # noqa: E402
+import hardware  # noqa: E402
 import plan  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -63,14 +63,14 @@ SETS = {  # model -> (steps, block size, [runs]); the peer runs once per model w
 def model_folder(name, out):
     """The demo model, or an OPT shape with random weights and the demo tokenizer."""
     if name == "demo":
-        return demo.demo_assets()[1]
+        return demo.assets()['lm']
     folder = out / "models" / name
     if not (folder / "config.json").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
         config = plan.load_config(f"facebook/{name}")
         torch.manual_seed(0)  # saved in bf16: half the disk; the scripts load it in fp32
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-        AutoTokenizer.from_pretrained(demo.demo_assets()[1]).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(demo.assets()['lm']).save_pretrained(folder)
     return folder
 
 
@@ -91,10 +91,10 @@ def launch(cmd, folder, probe=False):
 def ours(spec, model, steps, block, out):
     name = f"{Path(model).name} {spec['name']}"
     folder = out / "runs" / name.replace(" ", "_").replace(",", "").replace("+", "plus").replace("--", "")
-    flags = [f"--model={model}", f"--dataset={demo.demo_assets()[0]}", f"--block-size={block}",
+    flags = [f"--model={model}", f"--dataset={demo.assets()['reviews']}", f"--block-size={block}",
              f"--batch-size={spec['batch']}", f"--grad-accum={spec['accum']}", f"--max-steps={steps}",
              f"--precision={spec['precision']}", "--save-every=0", f"--log-every={max(1, steps // 4)}", "--prompt=",
-             f"--output-dir={folder}", "--overwrite"] + ([] if spec["packing"] else ["--no-packing"])
+             f"--output-dir={folder}", "--overwrite"] + ([] if spec["packing"] else ["--packing=none"])
     flags += ["--compile"] if spec["compile"] else []
     if spec["stage"] is None:
         cmd = [BIN / "python", "single-gpu.py", *flags]
@@ -129,7 +129,7 @@ def peer(spec, model, steps, block, out):
     folder = out / "runs" / "seeds_recipe"
     max_length = min(512, plan.load_config(str(model)).max_position_embeddings)
     cmd = [BIN / "deepspeed", "--num_gpus", str(spec["ranks"]), "bench/seed_recipe.py", f"--model={model}",
-           f"--dataset={demo.demo_assets()[0]}", f"--max-length={max_length}", f"--batch-size={spec['batch']}",
+           f"--dataset={demo.assets()['reviews']}", f"--max-length={max_length}", f"--batch-size={spec['batch']}",
            f"--num-sequences={steps * spec['batch'] * spec['accum'] * spec['ranks']}", f"--output-dir={folder}",
            f"--warmup-steps={max(1, steps // 4)}",
            "--deepspeed=ds_config_zero2.json"]
@@ -144,9 +144,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    peak = training.peak_tflops(device)
+    found = hardware.peak_tflops(device_name, "bf16") if cuda else None
+    peak = found[0] if found else None
     rows = []
     for model_name, (steps, block, specs) in SETS[args.set].items():
         model = model_folder(model_name, out)
@@ -175,7 +175,7 @@ def main(argv=None):
             steady = r["steady"]
             row["samples_per_sec"] = steady["steps"] * r["global_batch_size"] / steady["seconds"]
             row["step_time"] = steady["seconds"] / steady["steps"]
-            tflops = training.flops_per_token(config, row["seq"], n_params) * tokens_per_sec(r) / r["world_size"] / 1e12
+            tflops = hardware.flops_per_token(config, n_params, row["seq"]) * tokens_per_sec(r) / r["world_size"] / 1e12
             row["tflops"], row["mfu"] = (tflops, tflops / peak) if peak else (None, None)
     write_report(rows, out, args.set, device_name)
     return rows

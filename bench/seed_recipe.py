@@ -4,6 +4,7 @@
     deepspeed --num_gpus 2 bench/seed_recipe.py --model M --dataset D --num-sequences 256 --deepspeed ds.json
 """
 import argparse
+import json
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCa
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import data  # noqa: E402
 import training  # noqa: E402
+import zero_utils  # noqa: E402
 
 
 class TrainingTime(TrainerCallback):
@@ -59,7 +61,10 @@ def main():
     training_args = TrainingArguments(
         output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
         max_steps=len(rows) // (args.batch_size * world_size), learning_rate=5e-5, report_to="none",
-        save_strategy="no", logging_steps=10**9, deepspeed=args.deepspeed, use_cpu=not cuda, disable_tqdm=True)
+        save_strategy="no", logging_steps=10**9, use_cpu=not cuda, disable_tqdm=True,
+        # the same optimizer as ours (torch's AdamW, nothing compiled): the comparison is of the recipes
+        deepspeed=zero_utils.choose_optimizer(json.loads(Path(args.deepspeed).read_text()), cuda) if args.deepspeed
+        else None)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     model.accepts_loss_kwargs = False  # a mean per batch, as in the seeds (see sequence_classification.py)
     warmup = min(args.warmup_steps, training_args.max_steps - 1)

@@ -1,10 +1,14 @@
-"""Check the nodes of a hostfile before a multi-node launch; run it on the node you will launch from.
+"""Check a machine or the nodes of a hostfile before a launch.
 
+    python3 job/preflight.py --offload cpu     # what ZeRO-Offload needs here (--offload nvme: NVMe offload)
     python3 job/preflight.py --hostfile job/hostfile [--master-addr HOST] [--master-port 29500]
 
-It checks what the deepspeed launcher needs: a valid hostfile, pdsh here, passwordless SSH and pdsh to every host,
-the same Python, repo path and package versions there, and that every host reaches the master port here.
-One line per host: ok, or what failed and how to fix it. Exit code 0 only if everything is ok.
+--offload: DeepSpeed compiles its CPU Adam (the optimizer step of ZeRO-Offload) on first use, and for NVMe its
+async I/O op; what they need is checked here, without building, one line each, instead of a traceback minutes into
+the first run. The default path (no offload) compiles nothing.
+--hostfile: what the deepspeed launcher needs: a valid hostfile, pdsh here, passwordless SSH and pdsh to every host,
+the same Python, repo path and package versions there, and that every host reaches the master port here. One line
+per host: ok, or what failed and how to fix it. Exit code 0 only if everything is ok.
 """
 import argparse
 import re
@@ -57,12 +61,12 @@ def run(cmd, timeout=20):
         return 124, f"no answer in {timeout} s"
 
 
-def ssh(host, command):
-    return run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command])
+def ssh(host, command, timeout=20):
+    return run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command], timeout)
 
 
 def local_versions():
-    return run([sys.executable, "-c", VERSIONS])[1].splitlines()[-1]  # the last line: imports may warn first
+    return run([sys.executable, "-c", VERSIONS], timeout=120)[1].splitlines()[-1]  # the last line: imports may warn
 
 
 def check_host(host, master_addr, master_port, want_versions):
@@ -76,7 +80,8 @@ def check_host(host, master_addr, master_port, want_versions):
         return f"pdsh cannot reach it ({out.splitlines()[-1] if out else status}): check ssh for the user pdsh runs as"
     if ssh(host, f"test -f {shlex.quote(str(REPO / 'zero-optimization.py'))}")[0]:
         return f"no repo at {REPO}: put the repo at the same path on every node (a shared file system is easiest)"
-    status, out = ssh(host, f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSIONS)}")
+    # importing torch, deepspeed and transformers on a node with a cold file cache can take a while
+    status, out = ssh(host, f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSIONS)}", timeout=120)
     if status:
         return f"{sys.executable} cannot import {', '.join(PACKAGES)} there: install the same environment on every node"
     if out.splitlines()[-1] != want_versions:
@@ -89,12 +94,53 @@ def check_host(host, master_addr, master_port, want_versions):
     return None
 
 
+def offload_facts():
+    """What this machine has for DeepSpeed's offload ops (read, nothing built)."""
+    import sysconfig
+
+    import torch.utils.cpp_extension as ce
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return {"prebuilt_cpu_adam": bool(installed_ops.get("cpu_adam")), "prebuilt_aio": bool(installed_ops.get("async_io")),
+            "cxx": shutil.which(ce.get_cxx_compiler()), "ninja": ce.is_ninja_available(),
+            "python_h": Path(sysconfig.get_paths()["include"], "Python.h").exists(),
+            "cuda": __import__("torch").cuda.is_available(), "cuda_home": ce.CUDA_HOME,
+            "libaio": AsyncIOBuilder().is_compatible(verbose=False)}
+
+
+def offload_problems(kind, have):
+    """One line per missing piece for --offload cpu or nvme, given offload_facts(): DeepSpeedCPUAdam is C++ (a compiler
+    with OpenMP, ninja, Python's headers; no CUDA toolkit), NVMe adds the async I/O op (libaio's headers and library,
+    and on a CUDA machine the CUDA toolkit, CUDA_HOME, which it links against)."""
+    problems = []
+    if not have["prebuilt_cpu_adam"]:
+        if not have["cxx"]:
+            problems.append("no C++ compiler for DeepSpeed's CPU Adam: apt-get install g++ (or set CXX)")
+        if not have["ninja"]:
+            problems.append("no ninja to build DeepSpeed's CPU Adam: pip install ninja")
+        if not have["python_h"]:
+            problems.append("no Python.h for DeepSpeed's CPU Adam: apt-get install python3-dev")
+    if kind == "nvme" and not have["prebuilt_aio"]:
+        if not have["libaio"]:
+            problems.append("no libaio for NVMe offload: apt-get install libaio-dev (or set CFLAGS/LDFLAGS to yours)")
+        if have["cuda"] and not have["cuda_home"]:
+            problems.append("no CUDA toolkit (CUDA_HOME) for NVMe offload's async I/O op on this CUDA machine: install "
+                            "the toolkit that matches torch.version.cuda and set CUDA_HOME")
+    return problems
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--offload", choices=["cpu", "nvme"], help="check what DeepSpeed's offload needs on this machine")
     p.add_argument("--hostfile", default=str(REPO / "job" / "hostfile"))
     p.add_argument("--master-addr", help="address of this node as the others reach it (default: the first host)")
     p.add_argument("--master-port", type=int, default=29500)
     args = p.parse_args(argv)
+    if args.offload:
+        problems = offload_problems(args.offload, offload_facts())
+        print("\n".join(problems) or f"--offload {args.offload}: everything DeepSpeed needs is here")
+        return 1 if problems else 0
 
     hosts = parse_hostfile(args.hostfile)
     master_addr = args.master_addr or hosts[0][0]

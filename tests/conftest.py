@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "Setting accelerator to CPU" in every process's output
+# the prepared (tokenized, packed) data of this session's runs, apart from the user's cache
+os.environ["DATA_CACHE"] = tempfile.mkdtemp(prefix="data-cache-")
 
 import demo  # noqa: E402
 
@@ -31,15 +35,19 @@ def load_script(name):
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """A 2-layer, 32-wide OPT (dropout 0) and 240 generated reviews."""
+    """A 2-layer, 32-wide OPT (dropout 0), 240 generated reviews (text) and 240 chats about reviews (messages)."""
     root = tmp_path_factory.mktemp("tiny")
     demo.make_demo_corpus(root / "reviews.csv", n=240, seed=1)
+    demo.make_demo_chats(root / "chats.jsonl", n=240, seed=1)
     import csv
     with open(root / "reviews.csv") as f:
         texts = [row["text"] for row in csv.DictReader(f)]
-    tokenizer = demo.make_demo_tokenizer(texts, vocab_size=300)
+    with open(root / "chats.jsonl") as f:
+        texts += [" ".join(m["content"] for m in json.loads(line)["messages"]) for line in f]
+    tokenizer = demo.make_demo_tokenizer(texts + ["### User: ### Assistant:"], vocab_size=300)
     demo.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=64, seed=0)
-    return {"data": str(root / "reviews.csv"), "model": str(root / "model"), "root": root}
+    return {"data": str(root / "reviews.csv"), "chats": str(root / "chats.jsonl"), "model": str(root / "model"),
+            "root": root}
 
 
 def base_args(tiny, out, **overrides):
@@ -70,6 +78,19 @@ def launch(launcher, script, argv, nproc=2, timeout=600, env=None):
     result = subprocess.run(cmd + argv, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     result.port = port
     return result
+
+
+@pytest.fixture(autouse=True)
+def launcher_variables_restored():
+    """A script run in process as a world of one sets RANK, MASTER_PORT, ... in this process: not for the next test."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    before = {k: os.environ.get(k) for k in names}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(autouse=True)

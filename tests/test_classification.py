@@ -80,9 +80,19 @@ def test_resume_after_a_crash_and_on_another_number_of_ranks(sentiment, tmp_path
 def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path):
     """`python3 sequence_classification.py --deepspeed ...` on one GPU: no launcher, so no MPI lookup either."""
     run = check(launch("python", "sequence_classification.py",
-                       argv(sentiment, tmp_path / "run", "--deepspeed", "ds_config_zero2.json")))
+                       argv(sentiment, tmp_path / "run", "--deepspeed")))
     r = results(tmp_path / "run")
     assert r["world_size"] == 1 and r["accuracy"] >= 0.9, (r, run.stderr[-2000:])
+
+
+def test_the_best_epoch_is_the_most_accurate_and_of_those_the_lowest_loss():
+    labels = [0, 1, 1, 0]
+    confident = classification.classification_metrics([[4, 0], [0, 4], [0, 4], [4, 0]], labels, 2)
+    unsure = classification.classification_metrics([[1, 0], [0, 1], [0, 1], [1, 0]], labels, 2)
+    wrong_once = classification.classification_metrics([[9, 0], [0, 9], [9, 0], [9, 0]], labels, 2)
+    assert confident["accuracy"] == unsure["accuracy"] == 1.0 and wrong_once["accuracy"] == 0.75
+    assert confident["accuracy_then_loss"] > unsure["accuracy_then_loss"] > wrong_once["accuracy_then_loss"]
+    assert wrong_once["f1_macro"] == pytest.approx((2 * 2 / (2 * 2 + 1) + 2 * 1 / (2 * 1 + 1)) / 2)
 
 
 def test_resume_without_a_checkpoint_is_one_line(sentiment, tmp_path):

@@ -1,60 +1,257 @@
-"""The shared pieces: packing, the batch order, the loss normalization, the DeepSpeed config filling, loading."""
+"""The data layer: formats found from the columns, loss masks, packing that isolates documents, batches, the
+prepared-once cache, loading. In process, on tiny models."""
 import argparse
 import json
 
 import datasets
+import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
 
 import data
+import loss
 import training
-import zero_utils
+
+
+def data_args(dataset, **kw):
+    base = dict(dataset=str(dataset), dataset_config=None, seed=0, max_train_samples=0, block_size=32,
+                packing="isolated", train_on_prompt=False, text_column=None, prompt_column=None,
+                completion_column=None, messages_column=None, num_proc=0, model="tiny")
+    return argparse.Namespace(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
-def texts(tiny):
+def tokenizer(tiny):
+    return AutoTokenizer.from_pretrained(tiny["model"])
+
+
+def documents_of(blocks, i):
+    """The segments of block i, as token lists (a segment starts at a DOC_START flag)."""
+    s, n = blocks.starts[i], blocks.lengths[i]
+    tokens, flags = blocks.tokens[s:s + n], blocks.flags[s:s + n]
+    starts = list(np.flatnonzero(flags & data.DOC_START)) + [n]
+    return [tokens[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
+
+
+def documents(blocks):
+    return [d for i in range(len(blocks)) for d in documents_of(blocks, i)]
+
+
+def test_best_fit_decreasing_keeps_documents_whole():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(1, 40, 300), [64, 100, 33]])  # block 32: three longer documents
+    doc, start, n, block = data.best_fit_decreasing(lengths, 32)
+    fill = np.bincount(block, weights=n)
+    assert fill.max() <= 32 and n.sum() == lengths.sum()
+    for d in range(len(lengths)):
+        pieces = sorted(zip(start[doc == d], n[doc == d]))
+        if lengths[d] <= 32:  # never split
+            assert len(pieces) == 1 and pieces[0] == (0, lengths[d])
+        else:  # consecutive pieces of a block each, then the rest
+            assert [p[0] for p in pieces] == list(range(0, lengths[d], 32)) and sum(p[1] for p in pieces) == lengths[d]
+    # best fit decreasing on these lengths needs close to the minimum number of blocks
+    assert len(fill) <= np.ceil(lengths.sum() / 32) * 1.05 + 1
+
+
+@pytest.mark.parametrize("packing", ["isolated", "stream", "none"])
+def test_every_token_in_its_place(tiny, tokenizer, packing):
+    train, _ = data.prepare(data_args(tiny["data"], packing=packing), tokenizer)
+    rows = data.load_splits(tiny["data"], seed=0)[0]  # the same training split
+    docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]
+    if packing == "stream":  # every token, in order, cut every 32 tokens; a segment per block
+        stream = np.concatenate([train.tokens[s:s + n] for s, n in zip(train.starts, train.lengths)])
+        assert stream.tolist() == [t for d in docs for t in d] and (train.lengths[:-1] == 32).all()
+        assert all(train.flags[s] == data.DOC_START for s in train.starts)
+    elif packing == "isolated":  # each document whole, or cut into pieces of 32, each piece a segment
+        pieces = [tuple(d[i:i + 32]) for d in docs for i in range(0, len(d), 32)]
+        assert sorted(map(tuple, documents(train))) == sorted(pieces) and (train.lengths <= 32).all()
+    else:  # one document per row, cut at 32
+        assert [tuple(d) for d in documents(train)] == [tuple(d[:32]) for d in docs]
+    # the predicted tokens: every token but the first of each segment
+    assert train.predicted.sum() == train.lengths.sum() - len(documents(train))
+
+
+def test_isolated_packing_keeps_each_document_whole_in_one_block(tiny, tokenizer):
+    train, evals = data.prepare(data_args(tiny["data"], block_size=160), tokenizer)
     rows = datasets.load_dataset("csv", data_files=tiny["data"])["train"]
-    return rows, AutoTokenizer.from_pretrained(tiny["model"])
+    docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]
+    packed = set(map(tuple, documents(train) + documents(evals)))
+    fits = [tuple(d) for d in docs if len(d) <= 160]
+    assert len(fits) > 0.9 * len(docs) and all(d in packed for d in fits)  # a document that fits is never cut
 
 
-def stream(rows, tokenizer):
-    ids = tokenizer(list(rows["text"]), add_special_tokens=False)["input_ids"]
-    return [t for x in ids for t in x + [tokenizer.eos_token_id]], ids
+def tiny_models(vocab):
+    kw = dict(vocab_size=vocab, hidden_size=32, num_attention_heads=4)
+    yield "opt", OPTConfig(**kw, num_hidden_layers=2, ffn_dim=64, max_position_embeddings=256,
+                           word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)
+    yield "gpt2", GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0)
+    yield "llama", LlamaConfig(**kw, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2,
+                               max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def test_packing_loses_no_token(texts):
-    rows, tokenizer = texts
-    expected, _ = stream(rows, tokenizer)
-    blocks = data.tokenize(rows, tokenizer, "text", 32, packing=True)
-    packed = torch.cat([blocks.tokens[s:e] for s, e in zip(blocks.starts, blocks.ends)]).tolist()
-    assert packed == expected  # every token, in order, each text followed by EOS
-    assert blocks.lengths[:-1].eq(32).all() and 0 < blocks.lengths[-1] <= 32
-    assert int(blocks.targets.sum()) == len(expected) - len(blocks)  # each block predicts all but its first token
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_document_in_a_packed_block_sees_only_itself(tiny, tokenizer, attention):
+    """Its logits equal those of the document run alone, for OPT, GPT-2 and Llama (random weights)."""
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
+    segments = [len(documents_of(train, i)) for i in range(len(train))]
+    rows = [i for i, n in enumerate(segments) if n >= 2][:3]  # blocks of 2 documents or more
+    assert len(rows) == 3
+    torch.manual_seed(0)
+    for name, config in tiny_models(len(tokenizer)):
+        config._attn_implementation = attention
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+        inputs, _ = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), model.config)
+        assert inputs["attention_mask"].dtype == (torch.bool if attention == "sdpa" else torch.float32)
+        with torch.no_grad():
+            packed = model(**inputs).logits
+            worst = 0.0
+            for r in range(len(rows)):
+                pos = inputs["position_ids"][r]
+                starts = (pos == 0).nonzero().flatten().tolist()
+                n = int(train.lengths[rows[r]])
+                for a, b in zip(starts, starts[1:] + [n]):
+                    b = min(b, n)
+                    if a >= n:
+                        break
+                    alone = model(input_ids=inputs["input_ids"][r:r + 1, a:b]).logits[0]
+                    worst = max(worst, (alone - packed[r, a:b]).abs().max().item())
+        assert worst < 1e-5, (name, attention, worst)
 
 
-def test_no_packing_keeps_one_text_per_sequence(texts):
-    rows, tokenizer = texts
-    _, ids = stream(rows, tokenizer)
-    blocks = data.tokenize(rows, tokenizer, "text", 16, packing=False)
-    assert len(blocks) == len(rows)
-    for i in (0, 7, len(rows) - 1):
-        assert blocks.tokens[blocks.starts[i]:blocks.ends[i]].tolist() == (ids[i] + [tokenizer.eos_token_id])[:16]
+def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokenizer):
+    torch.manual_seed(0)
+    config = next(tiny_models(len(tokenizer)))[1]  # OPT, 256 positions, random weights
+    model = loss.attach(AutoModelForCausalLM.from_config(config), 16, 4 * 256)
+    args = argparse.Namespace(batch_size=4, loss_chunk=16)
+    sums = {}
+    for packing in ("isolated", "none"):
+        _, evals = data.prepare(data_args(tiny["chats"], block_size=256, packing=packing), tokenizer)
+        sums[packing] = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, torch.device("cpu"),
+                                                model.config, torch.autocast("cpu", enabled=False))
+    assert sums["isolated"][1] == sums["none"][1] > 0  # the same tokens carry loss
+    assert (sums["isolated"][0] / sums["isolated"][1]).item() == pytest.approx(
+        (sums["none"][0] / sums["none"][1]).item(), rel=1e-5)
 
 
-def test_batch_masks_padding(texts):
-    rows, tokenizer = texts
-    blocks = data.tokenize(rows, tokenizer, "text", 64, packing=False)
-    short, long = int(blocks.lengths.argmin()), int(blocks.lengths.argmax())
-    batch = blocks.batch([short, long], pad_id=1, device=torch.device("cpu"))
-    n = int(blocks.lengths[short])
-    assert batch["input_ids"].shape == (2, int(blocks.lengths[long]))
-    assert batch["attention_mask"][0].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
-    assert (batch["labels"][0, n:] == -100).all() and (batch["labels"][0, :n] == batch["input_ids"][0, :n]).all()
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_completion_puts_the_loss_on_the_completion(tmp_path, tiny, tokenizer):
+    rows = [{"prompt": f"Review {i}: the pasta was good.", "completion": f" {i % 5 + 1} stars"} for i in range(40)]
+    path = write_jsonl(tmp_path / "pc.jsonl", rows)
+    train, evals = data.prepare(data_args(path, block_size=64), tokenizer)
+    assert train.format == "prompt-completion"
+    completion_tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in rows)
+    assert train.predicted.sum() + evals.predicted.sum() == completion_tokens  # + EOS each, nothing of the prompts
+    model = loss.attach(AutoModelForCausalLM.from_pretrained(tiny["model"]), 8, 64)
+    inputs, labels = train.batch([0], tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    with torch.no_grad():
+        full = model(**inputs).logits  # the original forward (no targets): all logits
+        mine = loss.token_loss_sum(model, inputs, labels)
+        target = labels[0].flatten()
+        reference = torch.nn.functional.cross_entropy(full.flatten(0, 1), target, reduction="sum")
+        assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
+        changed = inputs["input_ids"].clone()
+        position = int(labels[1][0]) + 1  # a completion token (the first that carries loss)
+        changed[0, position] = (changed[0, position] + 1) % len(tokenizer)
+        new_labels = (labels[0].clone(), labels[1])
+        new_labels[0][0, position - 1] = changed[0, position]
+        assert loss.token_loss_sum(model, {**inputs, "input_ids": changed}, new_labels).item() != mine.item()
+    both = data.prepare(data_args(path, block_size=64, train_on_prompt=True), tokenizer)
+    docs = [len(tokenizer(r["prompt"])["input_ids"]) + len(tokenizer(r["completion"], add_special_tokens=False)
+                                                             ["input_ids"]) + 1 for r in rows]
+    assert sum(b.predicted.sum() for b in both) == sum(d - 1 for d in docs)  # every token but each first
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", ["default", "chatml without markers", "chatml with markers"])
+def test_messages_put_the_loss_on_the_assistant(tmp_path, tiny, template):
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    if template != "default":
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tokenizer.chat_template = CHATML if "without" in template else CHATML.replace(
+            "{{ '<|im_start|>' + m['role']", "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+            "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}"
+            "{{ '<|im_start|>' + m['role']").replace("'<|im_end|>\n' }}{% endfor %}",
+                                                     "'<|im_end|>\n' }}{% endif %}{% endfor %}")
+    chats = [{"messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": f"How was review {i}?"},
+                           {"role": "assistant", "content": f"Good {i}."},
+                           {"role": "user", "content": "And the service?"},
+                           {"role": "assistant", "content": "Slow."}]} for i in range(30)]
+    path = write_jsonl(tmp_path / "chats.jsonl", chats)
+    train, evals = data.prepare(data_args(path, block_size=128), tokenizer)
+    assert train.format == "messages"
+    for blocks in (train, evals):
+        for s, n in zip(blocks.starts, blocks.lengths):
+            tokens, flags = blocks.tokens[s:s + n], blocks.flags[s:s + n]
+            starts = list(np.flatnonzero(flags & data.DOC_START)) + [n]
+            assert len(starts) == 2  # one conversation per block here (each is more than half a block)
+            predicted = tokenizer.decode(tokens[(flags & data.LOSS) > 0])
+            # the assistant's two answers and their end markers: nothing of the system, user or headers
+            assert predicted.replace(" ", "").startswith("Good") and "Slow." in predicted
+            assert "How" not in predicted and "service" not in predicted and "brief" not in predicted
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"messages": [{"role": "user", "content": "hi"}, {"content": "no role"}]}] * 3,
+     "row 0: message 1 is not a {role, content} pair of strings"),
+    ([{"messages": "hello"}] * 3, "row 0: messages is not a non-empty list"),
+    ([{"messages": [{"role": "user", "content": "only a question"}]}] * 3, "row 0: no assistant turn"),
+    ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": ""}] * 3, "row 1: the completion is empty"),
+])
+def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(SystemExit) as e:
+        data.prepare(data_args(path), tokenizer)
+    text = str(e.value)
+    assert text.startswith("error: ") and message in text and "\n" not in text and "fix or drop that row" in text
+
+
+def test_formats_from_the_columns_and_the_flags():
+    a = lambda **kw: data_args("d", **kw)
+    assert data.find_format(["text", "label"], a())[0] == "text"
+    assert data.find_format(["prompt", "completion"], a())[0] == "prompt-completion"
+    assert data.find_format(["messages", "text"], a())[0] == "messages"
+    assert data.find_format(["q", "a"], a(prompt_column="q", completion_column="a"))[1] == {
+        "prompt": "q", "completion": "a"}
+    assert data.find_format(["body", "prompt", "completion"], a(text_column="body"))[0] == "text"
+    with pytest.raises(SystemExit, match="has no column 'text' for the text format \\(it has q, a\\)"):
+        data.find_format(["q", "a"], a())
+
+
+def test_prepared_once_then_reused(tiny, tokenizer):
+    args = data_args(tiny["data"], block_size=48)
+    data.prepare(args, tokenizer)
+    folder = data.CACHE / data.cache_key(args, tokenizer)
+    stamp = (folder / "meta.json").stat().st_mtime_ns
+    data.prepare(args, tokenizer)  # a rerun maps what is there
+    assert (folder / "meta.json").stat().st_mtime_ns == stamp
+    assert data.cache_key(data_args(tiny["data"], block_size=40), tokenizer) != folder.name  # another setting
+
+
+def test_batches_shift_labels_and_mask_padding(tiny, tokenizer):
+    train, _ = data.prepare(data_args(tiny["data"], packing="none", block_size=64), tokenizer)
+    short, long = int(train.lengths.argmin()), int(train.lengths.argmax())
+    inputs, (labels, index) = train.batch([short, long], 1, torch.device("cpu"), None)
+    n, width = int(train.lengths[short]), int(train.lengths[long])
+    assert inputs["input_ids"].shape == labels.shape == (2, width)
+    assert labels[0, :n - 1].tolist() == inputs["input_ids"][0, 1:n].tolist()  # label t is token t+1
+    assert (labels[0, n - 1:] == -100).all() and (inputs["input_ids"][0, n:] == 1).all()
+    assert index.tolist() == torch.nonzero(labels.flatten() != -100).flatten().tolist()
+    mask = inputs["attention_mask"][0, 0]
+    assert mask[n:, :n].sum() == 0 and mask[n:, n:].equal(torch.eye(width - n, dtype=torch.bool))  # pads: self
 
 
 def test_global_batches_do_not_depend_on_the_split():
-    order = data.GlobalBatches(num_sequences=100, global_batch=8, seed=3)
+    order = data.GlobalBatches(num_blocks=100, global_batch=8, seed=3)
     assert order.steps_per_epoch == 12
     first_epoch = torch.cat([order(s) for s in range(12)])
     assert len(set(first_epoch.tolist())) == 96  # no sequence twice in an epoch
@@ -66,77 +263,6 @@ def test_global_batches_do_not_depend_on_the_split():
     for k, micro in enumerate(batch.view(2, -1)):
         shares = [micro.view(2, -1)[rank] for rank in range(2)]
         assert torch.cat(shares).tolist() == batch[4 * k:4 * (k + 1)].tolist()
-
-
-def test_loss_is_the_token_mean_however_split():
-    torch.manual_seed(0)
-    logits, labels = torch.randn(4, 6, 11), torch.randint(0, 11, (4, 6))
-    labels[1, 3:] = -100  # padding
-    n = int((labels[:, 1:] != -100).sum())
-    whole = training.token_loss_sum(logits, labels) / n
-    split = sum(training.token_loss_sum(logits[i:i + 1], labels[i:i + 1]) / n for i in range(4))
-    mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1))
-    torch.testing.assert_close(whole, split)
-    torch.testing.assert_close(whole, mean)
-
-
-def ds_args(**kw):
-    base = dict(batch_size=4, grad_accum=2, max_grad_norm=1.0, lr=2e-4, weight_decay=0.01, precision="fp32",
-                zero_stage=None, offload=None, nvme_path="/nvme")
-    return argparse.Namespace(**{**base, **kw})
-
-
-def test_deepspeed_config_fills_auto_from_flags():
-    config, has_scheduler = zero_utils.deepspeed_config(training.HERE / "ds_config_zero3.json", ds_args(), 2, 100, 5, 64)
-    assert not has_scheduler
-    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
-            config["train_batch_size"]) == (4, 2, 16)
-    assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
-    assert config["bf16"]["enabled"] is False and config["fp16"]["enabled"] is False
-    assert config["gradient_clipping"] == 1.0
-    assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
-    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
-
-
-def test_deepspeed_config_overrides_and_offload():
-    config, _ = zero_utils.deepspeed_config(training.HERE / "ds_config_zero3.json", ds_args(offload="cpu"), 1, 10, 1, 8)
-    zero = config["zero_optimization"]
-    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
-    config, _ = zero_utils.deepspeed_config(training.HERE / "ds_config_zero3.json",
-                                        ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, 8)
-    assert config["zero_optimization"]["stage"] == 2 and "offload_param" not in config["zero_optimization"]
-
-
-def test_deepspeed_config_scheduler_block_is_filled(tmp_path):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
-        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}))
-    config, has_scheduler = zero_utils.deepspeed_config(path, ds_args(), 1, 100, 5, 8)
-    assert has_scheduler and config["scheduler"]["params"] == {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
-
-
-@pytest.mark.parametrize("content, message", [
-    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 vs --batch-size = 4"),
-    ({"train_batch_size": 12}, "train_batch_size=12 vs --batch-size x --grad-accum x 2 ranks = 16"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "optimizer.params.lr=0.1 vs --lr = 0.0002"),
-    ({"bf16": {"enabled": True}}, "bf16.enabled=True vs --precision = False"),
-    ({"optimizer": {"type": "AdamW", "params": {"foo": "auto"}}}, "no flag fills optimizer.params.foo"),
-])
-def test_deepspeed_config_errors_name_both_sides(tmp_path, content, message):
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(content))
-    with pytest.raises(SystemExit, match="error: ") as e:
-        zero_utils.deepspeed_config(path, ds_args(), 2, 100, 5, 8)
-    assert message in str(e.value)
-
-
-def test_deepspeed_config_bad_files(tmp_path):
-    with pytest.raises(SystemExit, match="does not exist"):
-        zero_utils.deepspeed_config(tmp_path / "nope.json", ds_args(), 1, 1, 1, 8)
-    (tmp_path / "bad.json").write_text("{ not json")
-    with pytest.raises(SystemExit, match="not valid JSON"):
-        zero_utils.deepspeed_config(tmp_path / "bad.json", ds_args(), 1, 1, 1, 8)
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".json", ".parquet", ".txt"])
@@ -152,18 +278,17 @@ def test_local_formats_and_carved_eval_split(tmp_path, suffix):
         path.write_text("\n".join(list(rows["text"])) + "\n")
     else:
         rows.to_json(path, lines=suffix == ".jsonl")
-    train, evaluation = data.load_splits(str(path), "text", seed=0)
+    train, evaluation = data.load_splits(str(path), seed=0)
     assert len(train) + len(evaluation) == 40 and len(evaluation) == 2
     assert sorted(list(train["text"]) + list(evaluation["text"])) == sorted(rows["text"])
+    assert len(data.load_splits(str(path), seed=0, max_train_samples=5)[0]) == 5
 
 
 def test_loading_errors(tmp_path, tiny):
     with pytest.raises(SystemExit, match="does not exist"):
-        data.load_splits(str(tmp_path / "missing.csv"), "text", 0)
-    with pytest.raises(SystemExit, match="has no column 'body' \\(it has label, text\\); pass --text-column"):
-        data.load_splits(tiny["data"], "body", 0)
+        data.load_splits(str(tmp_path / "missing.csv"))
     (tmp_path / "empty.csv").write_text("text\n")
     with pytest.raises(SystemExit, match="could not read .*empty.csv .*is it a non-empty .csv file"):
-        data.load_splits(str(tmp_path / "empty.csv"), "text", 0)
+        data.load_splits(str(tmp_path / "empty.csv"))
     with pytest.raises(SystemExit, match="could not load dataset 'no-such/dataset'"):
-        data.load_splits("no-such/dataset", "text", 0)
+        data.load_splits("no-such/dataset")

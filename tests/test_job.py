@@ -146,3 +146,29 @@ def test_every_shell_script_parses():
     scripts = [*ROOT.glob("job/*.sbatch"), *ROOT.glob("job/*.sh"), ROOT / ".ci" / "run"]
     for script in scripts:
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+
+
+GPU_MACHINE = {"prebuilt_cpu_adam": False, "prebuilt_aio": False, "cxx": "/usr/bin/c++", "ninja": True,
+               "python_h": True, "cuda": True, "cuda_home": "/usr/local/cuda", "libaio": True}
+
+
+@pytest.mark.parametrize("kind, missing, lines", [
+    ("cpu", {}, []),
+    ("cpu", {"cxx": None, "python_h": False}, ["no C++ compiler", "no Python.h"]),
+    ("cpu", {"cuda_home": None}, []),  # CPU Adam is C++ only: no CUDA toolkit needed (torch from PyPI has none)
+    ("nvme", {"cuda_home": None, "libaio": False}, ["no libaio", "no CUDA toolkit (CUDA_HOME)"]),
+    ("nvme", {"cuda": False, "cuda_home": None}, []),  # on a CPU machine async I/O needs no toolkit
+    ("nvme", {"prebuilt_cpu_adam": True, "prebuilt_aio": True, "cxx": None, "libaio": False}, []),  # ops prebuilt
+])
+def test_offload_preflight_says_what_is_missing(kind, missing, lines):
+    sys.path.insert(0, str(ROOT / "job"))
+    import preflight
+    problems = preflight.offload_problems(kind, {**GPU_MACHINE, **missing})
+    assert len(problems) == len(lines) and all(p.startswith(line) for p, line in zip(problems, lines)), problems
+
+
+def test_offload_preflight_on_this_machine():
+    """This machine has a compiler, ninja and Python's headers (CI's too): CPU offload is ready."""
+    run = subprocess.run([sys.executable, str(ROOT / "job" / "preflight.py"), "--offload", "cpu"], capture_output=True,
+                         text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert run.returncode == 0 and "--offload cpu: everything DeepSpeed needs is here" in run.stdout, run.stdout

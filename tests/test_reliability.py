@@ -107,7 +107,8 @@ def test_resume_on_another_number_of_ranks_gives_the_uninterrupted_run(tiny, tmp
     out, FC1 = tmp_path / "run", "model.decoder.layers.0.fc1.weight"
 
     def run(ranks, *extra):
-        argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 4 // ranks, "--zero-stage": stage})
+        argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 4 // ranks, "--zero-stage": stage,
+                                       "--weight-decay": 0.1})  # per group: none on biases and norms
         return check(launch("deepspeed" if ranks > 1 else "python", "zero-optimization.py",
                             argv + ["--deepspeed", *extra], nproc=ranks))
 

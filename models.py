@@ -1,0 +1,138 @@
+"""The model: loading it (one line when it cannot), LoRA adapters, saving it in Hugging Face format (merged, and
+the adapter), the sample answer at the end, and the bytes of model state each rank holds."""
+from pathlib import Path
+
+import torch
+
+import hardware
+import loss
+from training import fail
+
+
+def load_pretrained(loader, name, **kwargs):
+    """loader.from_pretrained(name), with one line saying what to do when it cannot (no weights, unknown id, offline)."""
+    try:
+        return loader.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if Path(name).is_dir():
+            fail(f"cannot load {name} ({first}); a model folder needs config.json, the weights (model.safetensors) "
+                 f"and the tokenizer files, as save_pretrained writes them")
+        fail(f"cannot load {name!r}: it is not a local folder, and the hub did not give it ({first}); check the id, "
+             f"the network (HF_HUB_OFFLINE), or HF_TOKEN in the environment for a gated model")
+
+
+def load_causal_lm(args, config, device, **kwargs):
+    """The model to fine-tune, in fp32 (the master weights; 16-bit copies are the engine's or autocast's; a LoRA base
+    in the run's precision), with the attention implementation this hardware runs fastest (hardware.attention)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_flash_attn_2_available
+
+    architecture = AutoModelForCausalLM._model_mapping.get(type(config), None) if not kwargs.get("trust_remote_code") \
+        else None
+    implementation = hardware.attention(hardware.facts(device), args.precision, is_flash_attn_2_available(),
+                                        getattr(architecture, "_supports_flash_attn", False))
+    extra = {"attn_implementation": implementation} if implementation else {}
+    # LoRA in 16 bits: the frozen base is loaded in 16 bits (half the memory, on the CPU too); the adapters peft adds
+    # are fp32
+    dtype = hardware.AUTOCAST_DTYPES.get(args.precision, torch.float32) if args.lora_rank else torch.float32
+    return load_pretrained(AutoModelForCausalLM, args.model, dtype=dtype, **extra, **kwargs)
+
+
+def load_tokenizer(name, **kwargs):
+    """The model's tokenizer; one without a padding token pads with EOS (padding is masked from attention and loss)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = load_pretrained(AutoTokenizer, name, **kwargs)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def prepare_model(model, args):
+    """LoRA (--lora-rank > 0): low-rank adapters on the chosen linear layers through peft; only they train, the
+    base weights are frozen (and kept in 16 bits when the run is bf16/fp16). Then gradient checkpointing, and the
+    chunked loss (loss.py)."""
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0,
+                            task_type="CAUSAL_LM")
+        torch.manual_seed(args.seed)  # the adapters' initialization, the same in every script and on every rank
+        try:
+            model = get_peft_model(model, config)
+        except ValueError as e:
+            fail(f"--lora-targets {args.lora_targets}: {str(e).splitlines()[0][:200]}; name linear layers of the model")
+        if args.precision in hardware.AUTOCAST_DTYPES:  # frozen: no fp32 master needed
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(hardware.AUTOCAST_DTYPES[args.precision])
+    if args.gradient_checkpointing:
+        # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return loss.attach(model, args.loss_chunk, args.batch_size * args.block_size)
+
+
+def save_final(model, tokenizer, folder, state_dict=None):
+    """The model in Hugging Face format (safetensors), which stock AutoModelForCausalLM.from_pretrained loads. With
+    LoRA: the adapters merged into the weights there, and the adapter itself in folder/adapter (PeftModel loads it
+    onto the base model). `state_dict`: the whole model's, when ZeRO-3 had to gather it."""
+    folder = Path(folder)
+    tokenizer.save_pretrained(folder)
+    if not hasattr(model, "peft_config"):
+        model.save_pretrained(folder, state_dict=state_dict)
+        return
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    state = {k: v.detach().to("cpu", copy=True) for k, v in (state_dict or model.state_dict()).items()}
+    model.save_pretrained(folder / "adapter", state_dict=state)  # peft keeps the adapter's tensors, full size
+    with torch.device("meta"):  # a copy on the CPU from the gathered tensors: the training model is left as it is
+        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
+                              model.peft_config["default"])
+    copy.load_state_dict(state, assign=True, strict=False)
+    copy.merge_and_unload().save_pretrained(folder)
+
+
+def sample(model, tokenizer, prompt, fmt, device, say, rank):
+    """The trained model's answer to --prompt: a chat message for chat data, the text as it is otherwise, with the
+    tokenizer's own special tokens. With the model in memory: under ZeRO-3 every rank takes part (its layers are
+    gathered one at a time, as in training), so no rank ever holds a whole copy. The run's outputs are saved by
+    then: a failure here is a line, never a failed run."""
+    engine = model if hasattr(model, "zero_optimization_partition_weights") else None
+    everyone = engine is not None and engine.zero_optimization_partition_weights()
+    if not prompt or (rank != 0 and not everyone):
+        return None
+    net = getattr(model, "module", model)
+    try:
+        if fmt == "messages":
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        net.eval()
+        with torch.no_grad():
+            out = net.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=40, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id, synced_gpus=everyone)
+        answer = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+        say(f"sample: {prompt!r} -> {answer!r}")
+        return answer
+    except Exception as e:  # noqa: BLE001 (any failure: the run itself succeeded)
+        say(f"no sample ({type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})")
+        return None
+
+
+def held_bytes(model, optimizer):
+    """Bytes of model state this rank holds, for each rank: parameters (under ZeRO-3 their shards), gradients and
+    the optimizer's state and buffers, each storage counted once. plan.py plans this figure."""
+    import memory
+
+    held = memory.held_bytes(model, optimizer)
+    if torch.distributed.is_initialized():
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, held)
+        return every
+    return [held]

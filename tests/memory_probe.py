@@ -1,0 +1,79 @@
+"""Count the bytes of model state each rank holds, for many ZeRO configurations in one launch, next to plan.py's
+figures for them. Run by tests/test_plan.py under `deepspeed --num_gpus 2` and as a world of one:
+
+    deepspeed --num_gpus 2 tests/memory_probe.py --models DIR [DIR ...] --out results.jsonl
+
+For each model, precision and option: the engine as zero-optimization.py builds it (the shipped ZeRO-3 config, its
+"auto" values filled), two optimizer steps, and memory.held_bytes after the second backward and after its step.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations import HfDeepSpeedConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import memory  # noqa: E402
+import plan  # noqa: E402
+import training  # noqa: E402
+import zero_utils  # noqa: E402
+
+OPTIONS = {"ZeRO-0": (0, None), "ZeRO-1": (1, None), "ZeRO-2": (2, None), "ZeRO-3": (3, None),
+           "ZeRO-2 + CPU offload": (2, "cpu"), "ZeRO-3 + CPU offload": (3, "cpu")}
+
+
+def probe(folder, precision, option, world_size):
+    config = AutoConfig.from_pretrained(folder)
+    # before the HfDeepSpeedConfig: with a ZeRO-3 one alive, transformers would partition even the meta model
+    planned = plan.model_states(plan.parameters(config), config.hidden_size, precision, world_size, option)
+    stage, offload = OPTIONS[option]
+    args = argparse.Namespace(deepspeed=str(zero_utils.DEFAULT_CONFIG), batch_size=2, grad_accum=1, max_grad_norm=1.0,
+                              lr=1e-3, weight_decay=0.0, precision=precision, zero_stage=stage, offload=offload,
+                              nvme_path="")
+    ds_config = zero_utils.deepspeed_config(args, world_size, 10, 1, config.hidden_size)
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (alive while the model loads, as in the script)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config,
+                                                   model_parameters=training.param_groups(model, 0.0))
+    counts = {}
+    for step in range(2):
+        ids = torch.randint(0, config.vocab_size, (2, 16), device=engine.device)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        if step == 1:
+            counts["after_backward"] = memory.held_bytes(engine, optimizer)
+        engine.step()
+    counts["after_step"] = memory.held_bytes(engine, optimizer)
+    engine.destroy()
+    return {"model": Path(folder).name, "precision": precision, "option": option, "ranks": world_size,
+            "rank": dist.get_rank(), **{f"counted_{k}": v for k, v in counts.items()},
+            **{f"planned_{k}": planned[k] for k in counts}}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", nargs="+", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=-1)
+    args = p.parse_args()
+    zero_utils.launch_env()
+    deepspeed.init_distributed()
+    rows = [probe(m, precision, option, dist.get_world_size())
+            for m in args.models for precision in ("fp32", "bf16") for option in OPTIONS]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for ranks in every for r in ranks))
+    zero_utils.remove_shm_buffer()
+    dist.destroy_process_group()
+    os._exit(0)  # as the scripts do on CPUs (see zero_utils.run_distributed)
+
+
+if __name__ == "__main__":
+    main()

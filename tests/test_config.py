@@ -1,0 +1,93 @@
+"""The DeepSpeed config: "auto" filled from the flags, the optimizer nothing has to compile, offload checks."""
+import argparse
+import json
+
+import pytest
+
+import training
+import zero_utils
+
+ZERO3 = str(training.HERE / "ds_config_zero3.json")
+ZERO2 = str(training.HERE / "ds_config_zero2.json")
+
+
+def ds_args(path=ZERO3, **kw):
+    base = dict(deepspeed=path, batch_size=4, grad_accum=2, max_grad_norm=1.0, lr=2e-4, weight_decay=0.01,
+                precision="fp32", zero_stage=None, offload=None, nvme_path="/nvme")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_auto_values_come_from_the_flags():
+    config = zero_utils.deepspeed_config(ds_args(), 2, 100, 5, 64)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (4, 2, 16)
+    assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
+                                             "torch_adam": True, "fused": False}
+    assert config["bf16"]["enabled"] is False and config["fp16"]["enabled"] is False
+    assert config["gradient_clipping"] == 1.0
+    assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
+    # fp16: the loss scale of single-gpu.py's GradScaler, so both skip the same steps
+    assert (2 ** config["fp16"]["initial_scale_power"], config["fp16"]["loss_scale_window"],
+            config["fp16"]["hysteresis"]) == (training.FP16_SCALER["init_scale"],
+                                              training.FP16_SCALER["growth_interval"], 1)
+
+
+@pytest.mark.parametrize("cuda, offload, expect", [
+    (True, "none", {"torch_adam": True, "fused": True}),  # torch's fused AdamW: no FusedAdam built with nvcc
+    (False, "none", {"torch_adam": True, "fused": False}),
+    (True, "cpu", {"torch_adam": False}),  # DeepSpeedCPUAdam (C++), which takes no `fused`
+])
+def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect):
+    config = json.loads(open(ZERO2).read())
+    config["zero_optimization"]["offload_optimizer"]["device"] = offload
+    params = zero_utils.choose_optimizer(config, cuda)["optimizer"]["params"]
+    assert {k: params[k] for k in ("torch_adam", "fused") if k in params} == expect
+
+
+def test_overrides_and_offload():
+    zero = zero_utils.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, 8)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    config = zero_utils.deepspeed_config(ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, 8)
+    assert config["zero_optimization"]["stage"] == 2 and "offload_param" not in config["zero_optimization"]
+    nvme = zero_utils.deepspeed_config(ds_args(offload="nvme"), 1, 10, 1, 8)["zero_optimization"]
+    assert nvme["offload_optimizer"]["nvme_path"] == "/nvme" and nvme["offload_param"]["device"] == "nvme"
+
+
+def test_nvme_below_stage_3_is_one_line():
+    """DeepSpeed would quietly offload to CPU memory instead, ignoring --nvme-path."""
+    with pytest.raises(SystemExit, match="error: --offload nvme needs ZeRO stage 3 \\(at stage 2"):
+        zero_utils.deepspeed_config(ds_args(zero_stage=2, offload="nvme"), 1, 10, 1, 8)
+
+
+def test_a_scheduler_block_is_filled(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}))
+    config = zero_utils.deepspeed_config(ds_args(str(path)), 1, 100, 5, 8)
+    assert config["scheduler"]["params"] == {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 vs --batch-size = 4"),
+    ({"train_batch_size": 12}, "train_batch_size=12 vs --batch-size x --grad-accum x 2 ranks = 16"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "optimizer.params.lr=0.1 vs --lr = 0.0002"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled=True vs --precision = False"),
+    ({"fp16": {"enabled": "auto", "hysteresis": 2}}, "fp16.hysteresis=2 vs torch's GradScaler (no hysteresis) = 1"),
+    ({"optimizer": {"type": "AdamW", "params": {"foo": "auto"}}}, "no flag fills optimizer.params.foo"),
+])
+def test_errors_name_both_sides(tmp_path, content, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(SystemExit, match="error: ") as e:
+        zero_utils.deepspeed_config(ds_args(str(path)), 2, 100, 5, 8)
+    assert message in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        zero_utils.deepspeed_config(ds_args(str(tmp_path / "nope.json")), 1, 1, 1, 8)
+    (tmp_path / "bad.json").write_text("{ not json")
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        zero_utils.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, 8)

@@ -1,0 +1,160 @@
+"""Every decision a GPU drives, fed the facts a GPU would give: compute capabilities, visible devices, device
+names, SLURM's variables. CPU-green is not GPU-right unless these hold."""
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import hardware
+import training
+import zero_utils
+from hardware import Facts
+
+H100 = Facts("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 8)
+A100 = Facts("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 8)
+V100 = Facts("cuda", "Tesla V100-SXM2-16GB", (7, 0), 8)
+T4 = Facts("cuda", "Tesla T4", (7, 5), 1)
+P100 = Facts("cuda", "Tesla P100-PCIE-16GB", (6, 0), 1)
+CPU = Facts("cpu")
+
+
+@pytest.mark.parametrize("facts, auto", [(H100, "bf16"), (A100, "bf16"), (V100, "fp16"), (T4, "fp16"),
+                                         (P100, "fp32"), (CPU, "fp32")])
+def test_auto_precision_is_bf16_only_from_ampere(facts, auto):
+    """torch.cuda.is_bf16_supported() says True on a V100 (it counts emulation); capability 8.0 is the test."""
+    assert hardware.choose_precision("auto", facts) == auto
+    assert hardware.choose_precision("fp32", facts) == "fp32"  # never silently TF32
+
+
+@pytest.mark.parametrize("facts, asked", [(V100, "bf16"), (T4, "tf32"), (CPU, "tf32")])
+def test_precisions_a_device_cannot_run_fast_are_one_line(facts, asked):
+    with pytest.raises(SystemExit) as e:
+        hardware.choose_precision(asked, facts)
+    assert str(e.value).startswith("error: --precision " + asked) and "\n" not in str(e.value)
+    assert hardware.choose_precision("bf16", H100) == "bf16" and hardware.choose_precision("tf32", A100) == "tf32"
+
+
+def test_tf32_only_when_asked():
+    hardware.set_matmul_precision("tf32")
+    assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    hardware.set_matmul_precision("fp32")
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+
+
+@pytest.mark.parametrize("local_rank, visible, index", [(0, 8, 0), (5, 8, 5), (3, 1, 0), (0, 1, 0)])
+def test_device_from_local_rank_or_the_only_gpu_this_process_sees(local_rank, visible, index):
+    assert hardware.device_index(local_rank, visible) == index
+
+
+def test_more_processes_than_gpus_is_one_line():
+    with pytest.raises(SystemExit, match="LOCAL_RANK 4 but sees 4 GPUs"):
+        hardware.device_index(4, 4)
+
+
+@pytest.mark.parametrize("name, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "tf32", 495), ("NVIDIA H100 80GB HBM3", "fp32", 67),
+    ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "fp32", 60), ("NVIDIA H200", "bf16", 989),
+    ("NVIDIA H200 NVL", "bf16", 835), ("NVIDIA GH200 480GB", "bf16", 989), ("NVIDIA B200", "bf16", 2250),
+    ("NVIDIA H800", "bf16", 989), ("NVIDIA H800 PCIe", "bf16", 756), ("NVIDIA A100-SXM4-40GB", "bf16", 312),
+    ("NVIDIA A100 80GB PCIe", "tf32", 156), ("NVIDIA A800-SXM4-80GB", "bf16", 312), ("NVIDIA L40S", "bf16", 362),
+    ("NVIDIA L40", "bf16", 181), ("NVIDIA L20", "bf16", 119.5), ("NVIDIA L4", "bf16", 121),
+    ("NVIDIA A10G", "bf16", 70), ("NVIDIA A10", "bf16", 125), ("NVIDIA RTX 6000 Ada Generation", "bf16", 364),
+    ("NVIDIA RTX A6000", "bf16", 155), ("NVIDIA GeForce RTX 4090", "bf16", 165), ("Tesla V100-SXM2-16GB", "fp16", 125),
+    ("Tesla V100-PCIE-32GB", "fp16", 112), ("Tesla V100S-PCIE-32GB", "fp16", 130), ("Tesla T4", "fp16", 65),
+    ("NVIDIA RTX A1000 Laptop GPU", "bf16", None),  # not an A100
+    ("Tesla V100-SXM2-16GB", "tf32", None), ("NVIDIA GB200", "bf16", None),
+])
+def test_peak_flops_match_device_names_exactly(name, precision, peak):
+    found = hardware.peak_tflops(name, precision)
+    assert (found[0] if found else None) == peak
+    if found:
+        assert name in found[1]  # the line that says, once, which peak MFU uses
+
+
+def test_mfu_counts_untied_input_embeddings_out():
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+
+    opt = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
+                                                     ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16))
+    llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
+                                                         intermediate_size=32, num_attention_heads=2,
+                                                         tie_word_embeddings=False))
+    total = lambda m: sum(p.numel() for p in m.parameters())
+    positions = opt.model.decoder.embed_positions.weight.numel()
+    assert hardware.matmul_params(opt) == total(opt) - positions  # tied: the shared matrix counts once, as the head
+    assert hardware.matmul_params(llama) == total(llama) - 100 * 16  # untied: the input embedding is a lookup
+    config = argparse.Namespace(num_hidden_layers=2, hidden_size=16)
+    assert hardware.flops_per_token(config, 1000, attended=50) == 6 * 1000 + 12 * 2 * 16 * 50
+
+
+def test_attention_implementation_for_the_hardware():
+    assert hardware.attention(H100, "bf16", True, True) == "flash_attention_2"
+    assert hardware.attention(H100, "fp32", True, True) is None  # FlashAttention runs in 16 bits only
+    assert hardware.attention(V100, "fp16", True, True) is None  # FlashAttention-2 needs Ampere
+    assert hardware.attention(H100, "bf16", False, True) is None and hardware.attention(H100, "bf16", True, False) is None
+    assert data.attention_layout("flash_attention_2") == "varlen" and data.attention_layout("sdpa") == "bool"
+    assert data.attention_layout("eager") == "additive" and data.attention_layout(None) == "bool"
+
+
+def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
+    """What FlashAttention's varlen path is given: one padding-free row, a boundary at every document."""
+    from test_data import data_args
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
+    flash = argparse.Namespace(_attn_implementation="flash_attention_2")
+    inputs, (labels, index) = train.batch([0, 1, 2], tokenizer.pad_token_id, torch.device("cpu"), flash)
+    padded, (padded_labels, _) = train.batch([0, 1, 2], tokenizer.pad_token_id, torch.device("cpu"), None)
+    real = torch.arange(padded["input_ids"].shape[1])[None] < torch.as_tensor(train.lengths[[0, 1, 2]])[:, None]
+    assert inputs["input_ids"].shape == (1, int(train.lengths[[0, 1, 2]].sum())) and "attention_mask" not in inputs
+    assert inputs["input_ids"][0].tolist() == padded["input_ids"][real].tolist()
+    assert labels[0].tolist() == padded_labels[real].tolist()
+    cu = inputs["cu_seq_lens_q"].tolist()
+    starts = torch.nonzero(inputs["position_ids"][0] == 0).flatten().tolist()
+    assert cu == starts + [inputs["input_ids"].shape[1]] and inputs["max_length_q"] == max(np.diff(cu))
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32
+
+
+def slurm(procid, ntasks=2, localid=None, **more):
+    return {"SLURM_PROCID": str(procid), "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NTASKS": str(ntasks),
+            "SLURM_LOCALID": str(procid if localid is None else localid), "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]", **more}
+
+
+def test_srun_tasks_form_one_world():
+    env = zero_utils.slurm_env(slurm(3, ntasks=16, localid=3))
+    assert env == {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "MASTER_ADDR": "gpu07",
+                   "MASTER_PORT": str(20000 + 4242 % 20000)}
+    assert zero_utils.slurm_env(slurm(0, MASTER_PORT="29600"))["MASTER_PORT"] == "29600"
+    assert zero_utils.slurm_env({**slurm(1), "RANK": "1"}) is None  # torchrun or deepspeed already set it up
+    assert zero_utils.slurm_env(slurm(0, ntasks=1)) is None  # a batch script or `srun --pty bash`: one task
+    environ = slurm(1, localid=1)
+    assert zero_utils.launch_env(environ)[:3] == (1, 1, 2) and environ["MASTER_ADDR"] == "gpu07"
+
+
+def test_srun_without_its_variables_is_one_line():
+    broken = slurm(1)
+    del broken["SLURM_LOCALID"]
+    with pytest.raises(SystemExit, match="error: srun started this task without SLURM_PROCID, SLURM_LOCALID"):
+        zero_utils.slurm_env(broken)
+
+
+@pytest.mark.parametrize("nodes, first", [("gpu[07-08,11],cpu1", "gpu07"), ("rack[1-2]-n[01-04]", "rack1-n01"),
+                                          ("a[1-2]-ib", "a1-ib"), ("n01,n02", "n01"), ("node001", "node001")])
+def test_first_host_of_a_slurm_node_list(nodes, first):
+    assert zero_utils.first_host(nodes) == first
+
+
+def test_the_teardown_workaround_is_for_cpu_runs_only():
+    assert zero_utils.skip_teardown(cuda_available=False) and not zero_utils.skip_teardown(cuda_available=True)
+
+
+def test_random_state_is_this_process_and_its_own_device():
+    state = training.rng_state(torch.device("cpu"))
+    assert state["cuda"] is None and state["cpu"].equal(torch.get_rng_state())
+    before = torch.rand(3)
+    training.set_rng_state({"cpu": state["cpu"], "cuda": [torch.zeros(1)] * 8}, torch.device("cpu"))  # 8 saved GPUs
+    assert torch.rand(3).equal(before)

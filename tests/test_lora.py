@@ -1,0 +1,81 @@
+"""LoRA (--lora-rank) through peft: the same losses and adapters in one process and under ZeRO-2/3 on 2 ranks, an
+adapter saved with its full shapes (never ZeRO-3's empty shards), a merged model that stock transformers loads, the
+base weights untouched, resume."""
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from conftest import assert_close_losses, base_args, check, launch, load_script, results, weights
+from test_single import crash_after_first_checkpoint
+
+single = load_script("single-gpu.py")
+LORA = {"--lora-rank": 8, "--lora-alpha": 16, "--lr": 5e-3}
+
+
+def lora_args(tiny, out, **more):
+    return base_args(tiny, out, **{"--dataset": tiny["chats"], "--block-size": 64, **LORA, **more})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora-reference")
+    single.main(lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2}))
+    return out
+
+
+def adapter(folder):
+    return load_file(str(folder / "final" / "adapter" / "adapter_model.safetensors"))
+
+
+def test_only_the_adapters_train_and_the_exports_load(tiny, reference):
+    r = results(reference)
+    assert 0 < r["trainable_params"] < 0.2 * r["total_params"]
+    saved = adapter(reference)
+    config = json.loads((reference / "final" / "adapter" / "adapter_config.json").read_text())
+    targets = {t.split(".")[-1] for t in config["target_modules"]}  # every linear layer of attention and MLP
+    assert config["r"] == 8 and targets == {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}
+    b = [t for k, t in saved.items() if "lora_B" in k]
+    assert len(b) == 2 * 6 and all(t.abs().max() > 0 for t in b)  # 6 linear layers a block; B moved from zero
+    # peft's merge of the base model and the saved adapter is the exported model
+    base = AutoModelForCausalLM.from_pretrained(tiny["model"])
+    merged = PeftModel.from_pretrained(base, reference / "final" / "adapter").merge_and_unload().state_dict()
+    final = weights(reference / "final")
+    for k, v in final.items():
+        assert (merged[k] - v).abs().max() <= 1e-5, k
+    # the base weights did not move: what LoRA does not touch is the original model's, exactly
+    original = weights(tiny["model"])
+    for k in ("model.decoder.embed_tokens.weight", "model.decoder.layers.0.self_attn_layer_norm.weight"):
+        assert torch.equal(final[k], original[k])
+    assert not torch.equal(final["model.decoder.layers.0.fc1.weight"], original["model.decoder.layers.0.fc1.weight"])
+    loaded = AutoModelForCausalLM.from_pretrained(reference / "final")  # stock transformers, no peft
+    assert loaded.model.decoder.layers[0].fc1.weight.shape == original["model.decoder.layers.0.fc1.weight"].shape
+
+
+@pytest.mark.parametrize("stage, extra", [(2, []), (3, ["--gradient-checkpointing"])])
+def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, extra):
+    out = tmp_path / "run"
+    argv = lora_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage})
+    check(launch("deepspeed", "zero-optimization.py", argv + ["--deepspeed", *extra]))
+    assert_close_losses(results(reference)["losses"], results(out)["losses"])
+    mine, want = adapter(out), adapter(reference)
+    assert mine.keys() == want.keys()
+    for k in want:  # full shapes, gathered from the shards; the same values
+        assert mine[k].shape == want[k].shape and (mine[k] - want[k]).abs().max() <= 1e-5, k
+    final, ref_final = weights(out / "final"), weights(reference / "final")
+    assert all((final[k] - ref_final[k]).abs().max() <= 1e-5 for k in ref_final)
+
+
+def test_lora_resume_gives_the_uninterrupted_run(tiny, tmp_path, reference):
+    out = tmp_path / "run"
+    argv = lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
+    single.main(argv)
+    crash_after_first_checkpoint(out)
+    with pytest.raises(SystemExit, match="was written with --lora-rank 8; resume with it"):
+        single.main(lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--lora-rank": 4}) + ["--resume"])
+    single.main(argv + ["--resume"])
+    assert_close_losses(results(reference)["losses"], results(out)["losses"], rtol=1e-6)
+    assert all(torch.equal(v, adapter(reference)[k]) for k, v in adapter(out).items())

@@ -1,0 +1,102 @@
+"""The chunked loss equals the plain cross-entropy, loss and gradients, for OPT, GPT-2 and Llama (tied and untied
+heads), with padding and masked labels; and it never holds all the logits at once."""
+import argparse
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
+
+import data
+import loss
+from test_data import data_args
+
+ARCHITECTURES = {
+    "opt (tied)": lambda v: OPTConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                      num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
+                                      dropout=0.0),
+    "gpt2 (tied)": lambda v: GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
+                                        embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama (untied)": lambda v: LlamaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=256, tie_word_embeddings=False),
+    "llama (tied)": lambda v: LlamaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                          tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module")
+def chats(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=256), tokenizer)
+    return train, tokenizer
+
+
+def gradients(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
+    train, tokenizer = chats
+    torch.manual_seed(0)
+    config = ARCHITECTURES[name](len(tokenizer))
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+    chunked = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
+    chunked.load_state_dict(plain.state_dict())
+    loss.attach(chunked, chunk_tokens=37, max_tokens=4 * 256)  # several chunks, the last one short
+    # four blocks of unequal length: padding at the ends, the prompts' labels masked
+    rows = sorted(range(len(train)), key=lambda i: train.lengths[i])[::len(train) // 4][:4]
+    inputs, labels = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), chunked.config)
+    assert (labels[0] == -100).float().mean() > 0.5 and inputs["input_ids"].shape[0] == 4
+
+    logits = plain(**inputs).logits  # the model's own forward: all the logits
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[0].flatten(), reduction="sum")
+    reference.backward()
+    mine = loss.token_loss_sum(chunked, inputs, labels)
+    mine.backward()
+    assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
+    want, got = gradients(plain), gradients(chunked)
+    assert want.keys() == got.keys()
+    largest = max(g.abs().max().item() for g in want.values())
+    for n in want:  # relative to the parameter's own gradient (k_proj's bias has none: softmax ignores it)
+        scale = max(want[n].abs().max().item(), 1e-9 * largest)
+        assert (want[n] - got[n]).abs().max().item() <= 1e-6 * scale, n
+
+
+def test_plain_path_and_generation_are_the_models_own(chats):
+    train, tokenizer = chats
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ARCHITECTURES["opt (tied)"](len(tokenizer)))
+    before = model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=4, do_sample=False)
+    loss.attach(model, chunk_tokens=0, max_tokens=2 * 256)
+    assert model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=4, do_sample=False).equal(before)
+    inputs, labels = train.batch([0, 1], tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+        plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[0].flatten(), reduction="sum")
+        assert loss.token_loss_sum(model, inputs, labels).item() == pytest.approx(plain.item(), rel=1e-6)
+    assert "model.decoder.embed_tokens.weight" in model.state_dict()  # the names a checkpoint holds: unchanged
+
+
+def test_the_logits_of_all_tokens_never_exist_at_once(chats):
+    """The largest tensor the loss allocates is one chunk's logits, not (tokens x vocabulary)."""
+    train, tokenizer = chats
+    torch.manual_seed(0)
+    vocab, chunk = len(tokenizer), 32
+    model = loss.attach(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](vocab)), chunk, 4 * 256)
+    inputs, labels = train.batch(list(range(4)), tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    largest = []
+
+    def record(*args, **kwargs):
+        out = original(*args, **kwargs)
+        largest.append(out.numel())
+        return out
+
+    head = model.get_output_embeddings()
+    original, head.forward = head.forward, record
+    loss.token_loss_sum(model, inputs, labels).backward()
+    chunks = 4 * 256 // chunk  # the same on every rank: fixed by the largest micro-batch
+    per_chunk = -(-len(labels[1]) // chunks)  # the tokens that carry loss, shared out evenly
+    assert max(largest) == per_chunk * vocab < inputs["input_ids"].numel() * vocab / 4  # plain: all tokens x vocab
+    assert len(largest) == 2 * chunks  # every chunk once forward, once recomputed in backward
