@@ -147,7 +147,8 @@ def main(argv=None):
         f"({args.batch_size} per micro-step x {args.grad_accum} micro-steps x {world_size} ranks) | {args.precision} | "
         f"{device}")
     model.train()
-    bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps, disable=rank != 0)
+    bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps,
+               disable=True if rank else None)  # None: a bar on a terminal only, not in log files
     for step in bar:
         indices = batches(step)  # the global batch: the same sequences whatever the number of ranks
         predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch

@@ -14,8 +14,11 @@ import torch.nn.functional as F
 import world
 
 rank, world_size, device = world.init()
+if 96 % world_size:
+    world.log(f"this lesson splits 96 features evenly: run it with 2, 3 or 4 processes, not {world_size}")
+    world.finish()
 torch.manual_seed(0)  # the same full weights on every rank, to compare with
-d_model, d_ff = 16, 64  # d_ff divides by 2 and 4
+d_model, d_ff = 24, 96  # d_ff divides by 1, 2, 3 and 4: equal slices (all_gather needs them)
 x = torch.randn(4, d_model, device=device)
 w1, b1 = torch.randn(d_ff, d_model, device=device), torch.randn(d_ff, device=device)
 w2, b2 = torch.randn(d_model, d_ff, device=device), torch.randn(d_model, device=device)

@@ -48,11 +48,12 @@ def finish():
 
 
 def toy_problem(device):
-    """The model and data lessons 4 and 5 train: a 2-layer MLP regression, 32 samples (splits evenly over 2 or 4
+    """The model and data lessons 4 and 5 train: a 2-layer MLP regression, 24 samples (splits evenly over 1 to 4
     ranks), the same on every rank because the seed is."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
-    x, y = torch.randn(32, 16, device=device), torch.randn(32, 4, device=device)
+    # every size divides by 1, 2, 3 and 4: equal shards of the batch and of each parameter on any of those worlds
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 12)).to(device)
+    x, y = torch.randn(24, 12, device=device), torch.randn(24, 12, device=device)
     return model, x, y
 
 

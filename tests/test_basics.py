@@ -15,7 +15,7 @@ def checks(stdout, rank):
     return [name for name, _ in lines]
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson(lesson, n):
     run = launch("torchrun", f"basics/{lesson}.py", [], nproc=n, timeout=300)
@@ -37,7 +37,7 @@ def test_lesson(lesson, n):
     elif lesson == "data_parallel":
         assert all(len(c) == 2 for c in per_rank)
     elif lesson == "zero":
-        psi = 16 * 32 + 32 + 32 * 4 + 4  # the toy MLP's parameters
+        psi = 12 * 24 + 24 + 24 * 12 + 12  # the toy MLP's parameters
         for stage, held in ((1, 8 * psi + 8 * psi // n), (2, 4 * psi + 12 * psi // n), (3, 16 * psi // n)):
             assert len(re.findall(rf"ZeRO-{stage}: holds .* = {held} bytes", out)) == n, (stage, held)
         assert all(len(c) == 6 for c in per_rank)
@@ -52,6 +52,7 @@ def test_lesson(lesson, n):
         assert len(waits) == n - 1 and all(4.5 < w < 8 for w in waits)
 
 
-def test_one_process_is_told_to_start_more():
-    run = launch("torchrun", "basics/p2p.py", [], nproc=1)
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_one_process_is_told_to_start_more(lesson):
+    run = launch("torchrun", f"basics/{lesson}.py", [], nproc=1)
     assert run.returncode == 0 and "this lesson needs at least 2 processes" in run.stdout
