@@ -146,7 +146,8 @@ def _documents(batch, indices, fmt, tokenizer, train_on_prompt):
             loss[i] = [1] * len(ids[i])
     elif fmt == "prompt-completion":
         prompts = tokenizer([rows[i]["prompt"] for i in ok])["input_ids"] if ok else []
-        completions = tokenizer([rows[i]["completion"] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
+        completions = (tokenizer([rows[i]["completion"] for i in ok], add_special_tokens=False)["input_ids"]
+                       if ok else [])
         for i, p, c in zip(ok, prompts, completions):
             ids[i], loss[i] = p + c + [eos], [0] * len(p) + [1] * (len(c) + 1)
     else:
@@ -312,8 +313,8 @@ def _prepare(args, tokenizer, folder):
     partial = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     meta = {"format": fmt, "columns": names}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")),
-                                  "loss": datasets.Sequence(datasets.Value("uint8")), "error": datasets.Value("string")})
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),
+                                  "loss": datasets.Sequence(datasets.Value("uint8"))})
     for name, split in (("train", train), ("eval", evaluation)):
         (partial / name).mkdir(parents=True, exist_ok=True)
         rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})

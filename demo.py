@@ -215,8 +215,9 @@ def summary(single, zero, classification):
     a, b = (np.array(r["losses"]) for _, r in runs)
     n = min(len(a), len(b))
     rel = np.abs(a[:5] - b[:5]) / np.abs(a[:5])
-    print(f"same global batches: the step losses agree to {rel.max():.0e} (relative) over the first 5 steps, and are at "
-          f"most {np.abs(a[:n] - b[:n]).max():.0e} apart over all {n} (rounding, grown by Adam at the demo's high lr)")
+    print(f"same global batches: the step losses agree to {rel.max():.0e} (relative) over the first 5 steps, and "
+          f"are at most {np.abs(a[:n] - b[:n]).max():.0e} apart over all {n} (rounding, grown by Adam at the demo's "
+          f"high lr)")
     question, expected = held_out_question()
     print(f"held-out question: {question.splitlines()[-1]!r} about a review it never saw; expected {expected!r}")
     for name, r in runs:

@@ -1,29 +1,28 @@
-"""The training loss: summed next-token cross-entropy over the tokens that carry loss, computed in chunks of tokens
-from the model's final hidden states, so the logits of all tokens (tokens x vocabulary: 1.6 GB in fp32 for OPT at
-16 x 512 tokens, far more at Llama-3's 128k vocabulary) and their gradient never exist at once.
+"""The training loss: summed next-token cross-entropy over the tokens that carry loss, computed a chunk of tokens at
+a time from the model's final hidden states, so that the logits of all tokens (tokens x vocabulary: 1.6 GB in fp32
+for OPT at 16 x 512 tokens, far more at Llama-3's 128k vocabulary) and their gradient never exist at once.
 
-How: attach() gives the model a forward that, when called with `loss_targets`, runs the backbone, keeps the
-hidden states of the positions that carry loss, and runs the output head and the cross-entropy on one chunk at a
-time under activation checkpointing (each chunk's logits are recomputed in the backward pass). It is the model's
-own forward, so a DeepSpeed engine calls it: under ZeRO-3 the head's weight is gathered by the head's own hooks,
-and the engine's bookkeeping (gradient accumulation) runs. Every rank runs the same number of chunks, since each
-ZeRO-3 gather is a collective. --loss-chunk 0 is the plain path: all logits at once, as transformers does.
+How: attach() gives the model a forward that, when called with `loss_targets`, runs the backbone, keeps the hidden
+states of the positions that carry loss only, and hands them with the output head's weight to LinearCrossEntropy:
+for each chunk it makes the chunk's logits, the loss, and at once their gradient (the softmax minus the one-hot
+target, written over the logits), and from it the gradients of the hidden states and of the head's weight. So
+nothing is recomputed in the backward pass and no separate softmax backward runs (the approach of Liger-Kernel's
+fused linear cross-entropy, written here in plain PyTorch). It is the model's own forward, so a DeepSpeed engine
+calls it: under ZeRO-3 reading the head's weight inside the forward gathers it (and its gradient goes back whole to
+ZeRO's reduction), and the engine's bookkeeping (gradient accumulation) runs. --loss-chunk 0 is the plain path: all
+logits at once, as transformers computes them.
 """
-import math
 import types
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 # models whose logits are more than head(hidden): softcapped or scaled. They take the plain path.
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def attach(model, chunk_tokens, max_tokens):
-    """Give the causal LM (the transformers model, inside any peft wrapper) the forward described above.
-    `max_tokens`: the most tokens a micro-batch can hold on a rank (batch size x block size), which fixes the number
-    of chunks for every rank and step."""
+def attach(model, chunk_tokens):
+    """Give the causal LM (the transformers model, inside any peft wrapper) the forward described above."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     if any(getattr(inner.config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
         chunk_tokens = 0
@@ -40,23 +39,56 @@ def attach(model, chunk_tokens, max_tokens):
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         hidden = self.base_model(*args, **kwargs)[0]
         hidden = hidden.flatten(0, 1).index_select(0, index)  # only the positions that carry loss
-        targets = labels.flatten().index_select(0, index)
         head = self.get_output_embeddings()
-        chunks = math.ceil(max_tokens / chunk_tokens)
-        size = max(1, math.ceil(len(index) / chunks))
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for c in range(chunks):  # the same count on every rank, some chunks maybe empty
-            part = slice(c * size, (c + 1) * size)
-            total = total + checkpoint(_chunk_loss, head, hidden[part], targets[part], use_reentrant=False)
-        return total
+        device = hidden.device.type  # the matmuls in the dtype autocast would give them, as the head's own would
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+        return LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels.flatten().index_select(0, index),
+                                        chunk_tokens, dtype, torch.is_grad_enabled())
 
     inner.forward = types.MethodType(forward, inner)  # on the instance: the state dict keeps its names
     return model
 
 
-def _chunk_loss(head, hidden, targets):
-    # the cross-entropy inside the checkpointed function: its input, the chunk's logits, is then recomputed too
-    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum over tokens of cross_entropy(hidden @ weight.T + bias, targets), chunk by chunk; the gradients are made
+    in the same pass and kept for the backward (the size of the hidden states and of the weight)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, dtype, with_grads):
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(dtype), weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(h_all) if with_grads else None
+            grad_weight = torch.zeros_like(weight) if with_grads else None
+            grad_bias = torch.zeros_like(bias) if with_grads and bias is not None else None
+            for start in range(0, len(targets), chunk):
+                h, y = h_all[start:start + chunk], targets[start:start + chunk]
+                logits = (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
+                target = logits.gather(1, y[:, None]).squeeze(1)
+                peak = logits.max(dim=-1, keepdim=True).values
+                sums = logits.sub_(peak).exp_().sum(dim=-1)  # in place: no second (tokens x vocabulary) tensor
+                total += (sums.log() + peak.squeeze(1) - target).sum()  # log-sum-exp minus the target's logit
+                if with_grads:  # d(loss)/d(logits) = softmax - one-hot, over the logits' own memory
+                    logits.div_(sums[:, None])
+                    logits[torch.arange(len(y), device=y.device), y] -= 1
+                    g = logits.to(dtype)
+                    grad_hidden[start:start + chunk] = g @ w
+                    if grad_weight.dtype == dtype:
+                        grad_weight.addmm_(g.t(), h)
+                    else:  # autocast over fp32 weights: the product in 16 bits, the sum in fp32
+                        grad_weight += g.t() @ h
+                    if grad_bias is not None:
+                        grad_bias += g.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.hidden_dtype = hidden.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = lambda g, dtype=None: None if g is None else (g * grad_out).to(dtype or g.dtype)
+        return (scale(grad_hidden, ctx.hidden_dtype), scale(grad_weight), scale(grad_bias), None, None, None, None)
 
 
 def token_loss_sum(model, inputs, labels):

@@ -10,7 +10,8 @@ from training import fail
 
 
 def load_pretrained(loader, name, **kwargs):
-    """loader.from_pretrained(name), with one line saying what to do when it cannot (no weights, unknown id, offline)."""
+    """loader.from_pretrained(name), with one line saying what to do when it cannot (no weights, unknown id,
+    offline)."""
     try:
         return loader.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
@@ -72,7 +73,7 @@ def prepare_model(model, args):
         # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return loss.attach(model, args.loss_chunk, args.batch_size * args.block_size)
+    return loss.attach(model, args.loss_chunk)
 
 
 def save_final(model, tokenizer, folder, state_dict=None):

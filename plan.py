@@ -28,7 +28,7 @@ OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096),
               "opt-30b": (7168, 48, 56, 28672), "opt-66b": (9216, 64, 72, 36864)}
 HEADROOM = 0.9  # of GPU memory usable by tensors: the CUDA context, allocator fragmentation and buffers take the rest
 REUSE_DISTANCE = 1e9  # ds_config_zero3.json's stage3_max_reuse_distance: gathered parameters kept this long
-ZERO2_BUCKET = 2e8  # ds_config_zero2.json's reduce_bucket_size (elements): allocated during the backward pass only
+ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket is max(hidden^2, this) elements (zero_utils), during backward only
 OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload",
            "ZeRO-3 + NVMe offload"]  # fastest first
 
@@ -82,8 +82,8 @@ def model_states(params, hidden, precision, ranks, option):
         master = 4 * trainable if b == 2 else 0
         grads = b * trainable
         held = weights + master + 8 * trainable
-        return dict(after_backward=held + grads, after_step=held, in_step=held + grads + (4 * trainable if b == 2 else 0),
-                    gpu=held + grads, cpu=0)
+        return dict(after_backward=held + grads, after_step=held, gpu=held + grads, cpu=0,
+                    in_step=held + grads + (4 * trainable if b == 2 else 0))
     if stage in (1, 2):  # one flat 16-bit buffer; fp32 master, moments and the reduced gradients partitioned
         weights = b * (trainable + frozen)
         mine = trainable / n
@@ -111,9 +111,8 @@ def model_states(params, hidden, precision, ranks, option):
 
 
 def activations(batch, seq, config, precision, checkpointing, loss_chunk):
-    """Peak bytes of activations per GPU: 34·s·b·h per layer in 16 bits (twice that in fp32), 2·s·b·h per layer with
-    checkpointing plus one layer recomputed; and the logits as the loss path holds them: all (tokens x vocabulary),
-    16-bit, their fp32 copy and its gradient, or one chunk of --loss-chunk tokens at a time."""
+    """Peak bytes of activations per GPU: 34·s·b·h per layer in 16 bits (twice that in fp32), 2·s·b·h per layer
+    with checkpointing plus one layer recomputed; and the logits as the loss path holds them (logits_bytes)."""
     scale = 2 if precision in ("fp32", "tf32") else 1
     hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     per_layer = 34 * seq * batch * hidden * scale
@@ -122,8 +121,13 @@ def activations(batch, seq, config, precision, checkpointing, loss_chunk):
 
 
 def logits_bytes(tokens, vocab, precision, loss_chunk):
-    per_logit = 8 if precision in ("fp32", "tf32") else 12  # fp32: logits + gradient; 16-bit: + the fp32 copies
-    return min(tokens, loss_chunk or tokens) * vocab * per_logit
+    """The logits' bytes at their peak. In chunks (loss.py): one chunk's fp32 logits, overwritten by their gradient,
+    and its 16-bit copy for the matmuls. All at once (transformers' loss): the logits, their fp32 copy in 16-bit runs,
+    the log-softmax saved for backward and its gradient."""
+    sixteen = precision not in ("fp32", "tf32")
+    if loss_chunk:
+        return min(tokens, loss_chunk) * vocab * (6 if sixteen else 4)
+    return tokens * vocab * (14 if sixteen else 12)
 
 
 def plan(args):
@@ -138,8 +142,8 @@ def plan(args):
     for option in OPTIONS:
         states = model_states(params, config.hidden_size, args.precision, ranks, option)
         transient = 0
-        if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets during backward
-            transient = 2 * b * ZERO2_BUCKET
+        if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets (x2: overlap_comm on GPUs)
+            transient = 2 * b * max(config.hidden_size ** 2, ZERO2_BUCKET)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)
             transient = b * min(total, REUSE_DISTANCE)
         peak = max(states["gpu"] + transient + acts, states["in_step"] - states["cpu"])
@@ -173,7 +177,7 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="sequences per GPU per micro-step")
     p.add_argument("--block-size", type=int, default=512, help="tokens per sequence")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--loss-chunk", type=int, default=2048, help="as the scripts' flag (0: all logits at once)")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="as the scripts' flag (0: all logits at once)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
@@ -197,8 +201,9 @@ def main(argv=None):
           f"{' (gradient checkpointing)' if args.gradient_checkpointing else ''}")
     print(f"{'option':<24}{'model states/GPU':>17}{'peak/GPU':>11}{'CPU/node':>11}  fits")
     for r in rows:
-        print(f"{r['option']:<24}{r['model_states_bytes_per_gpu'] / GiB:>13.1f} GiB{r['peak_bytes_per_gpu'] / GiB:>7.1f} "
-              f"GiB{r['cpu_bytes_per_node'] / GiB:>7.0f} GiB  {'yes' if r['fits'] else 'no'}")
+        states, peak, cpu = (r[k] / GiB for k in ("model_states_bytes_per_gpu", "peak_bytes_per_gpu",
+                                                   "cpu_bytes_per_node"))
+        print(f"{r['option']:<24}{states:>13.1f} GiB{peak:>7.1f} GiB{cpu:>7.0f} GiB  {'yes' if r['fits'] else 'no'}")
     if best:
         where = " (single-gpu.py on one GPU)" if best == "ZeRO-0" and args.gpus * args.nodes == 1 else ""
         print(f"recommended: {best}{where}, the fastest that fits {HEADROOM:.0%} of the GPU memory")

@@ -32,7 +32,8 @@ def class_labels(train, evaluation, column, name):
     """Class names in a stable order, and both splits with a `labels` column of class ids 0..K-1. String labels
     become ids; a ClassLabel column keeps its names; integer labels keep their order."""
     if column not in train.column_names:
-        training.fail(f"dataset {name} has no column {column!r} (it has {', '.join(train.column_names)}); pass --label-column")
+        training.fail(f"dataset {name} has no column {column!r} (it has {', '.join(train.column_names)}); pass "
+                      f"--label-column")
     feature = train.features[column]
     if hasattr(feature, "names"):  # a ClassLabel: already ids, with names
         names = list(feature.names)
@@ -116,12 +117,13 @@ def check_trainer_resume(folder, world_size, deepspeed):
     from transformers.trainer_utils import get_last_checkpoint
     last = get_last_checkpoint(str(folder))
     if last is None:
-        training.fail(f"--resume: {folder} holds no checkpoint-N yet (the Trainer saves one at the end of each epoch); start "
-             f"over with --overwrite")
+        training.fail(f"--resume: {folder} holds no checkpoint-N yet (the Trainer saves one at the end of each epoch); "
+                      f"start over with --overwrite")
     saved = len(list(Path(last).glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
     if deepspeed and saved != world_size:
-        training.fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with {saved} (the "
-             f"Trainer loads DeepSpeed's optimizer shards as they are; zero-optimization.py can change the number)")
+        training.fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with "
+                      f"{saved} (the Trainer loads DeepSpeed's optimizer shards as they are; zero-optimization.py can "
+                      f"change the number)")
     return Path(last)
 
 

@@ -45,7 +45,7 @@ def parse_args(argv=None):
                    help="auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
     p.add_argument("--compile", action="store_true", help="torch.compile: faster steps after a slow first one")
-    p.add_argument("--loss-chunk", type=int, default=2048,
+    p.add_argument("--loss-chunk", type=int, default=1024,
                    help="tokens per piece of the loss, so the logits of all tokens never exist at once (0: at once)")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     p.add_argument("--lora-alpha", type=float, default=32, help="the adapters' scale is alpha / rank")
@@ -111,7 +111,7 @@ def main(argv=None):
     model = models.prepare_model(model, args)  # LoRA adapters (--lora-rank), gradient checkpointing, chunked loss
     model.to(device)
     optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.lr,
-                                  betas=training.ADAM_BETAS, eps=training.ADAM_EPS, fused=device.type == "cuda")
+                                  betas=training.ADAM_BETAS, eps=training.ADAM_EPS, fused=True)  # one kernel
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16", **training.FP16_SCALER)
     autocast = hardware.autocast(device, args.precision)  # bf16, fp16: mixed precision over the fp32 weights
@@ -171,6 +171,7 @@ def main(argv=None):
                     training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
 
     # -------------------------------------------------------------------------------- evaluate
+    held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sums = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, device, config, autocast, rank,
                                    world_size)
     eval_loss = (sums[0] / sums[1]).item()
@@ -180,7 +181,6 @@ def main(argv=None):
     final = out / "final"
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model, tokenizer, final)
-    held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     results = stats.results(eval_loss, world_size, global_batch, held)
     if rank == 0:
         training.write_json(out / "results.json", results)

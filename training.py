@@ -39,7 +39,7 @@ def quiet(verbose, rank):
     import datasets
     import transformers
 
-    transformers.utils.logging.set_verbosity_warning() if rank == 0 else transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity(logging.WARNING if rank == 0 else logging.ERROR)
     datasets.utils.logging.set_verbosity_warning()
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
@@ -201,6 +201,8 @@ class RunStats:
         self.pending.append(step_loss)
         self.interval_tokens += int(blocks.lengths[indices].sum())
         self.interval_attended += int(blocks.attended[indices].sum())
+        profile(self.step)
+
 
     def _flush(self):
         """The pending losses, on the host (a sync), summed over the ranks, and checked: a NaN stops the run before
@@ -269,6 +271,23 @@ class RunStats:
                 "peak_memory_bytes": peak_memory_bytes(self.device), "model_state_bytes_per_rank": held_bytes,
                 "trainable_params": self.trainable, "total_params": self.total, "world_size": world_size,
                 "global_batch_size": global_batch, "precision": self.args.precision}
+
+
+def profile(step, first=4, steps=4):
+    """TRAIN_PROFILE=folder: torch.profiler over steps first+1 .. first+steps, each rank's table of where the time went
+    written to folder/profile-rank<r>.txt (bench/BENCHMARKS.md has what it found). Off unless asked."""
+    folder = os.environ.get("TRAIN_PROFILE")
+    if not folder or step not in (first, first + steps):
+        return
+    if step == first:
+        profile.active = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False)
+        profile.active.__enter__()
+        return
+    profile.active.__exit__(None, None, None)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    table = profile.active.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    (Path(folder) / f"profile-rank{rank}.txt").write_text(table)
 
 
 def peak_memory_bytes(device):

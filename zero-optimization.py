@@ -49,7 +49,7 @@ def parse_args(argv=None):
                    help="auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
     p.add_argument("--compile", action="store_true", help="torch.compile: faster steps after a slow first one")
-    p.add_argument("--loss-chunk", type=int, default=2048,
+    p.add_argument("--loss-chunk", type=int, default=1024,
                    help="tokens per piece of the loss, so the logits of all tokens never exist at once (0: at once)")
     p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     p.add_argument("--lora-alpha", type=float, default=32, help="the adapters' scale is alpha / rank")
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     # ZeRO: the DeepSpeed config file, and overrides of what matters most in it (To-Do: stage 2 if the model fits,
     # stage 3 if not, then --offload cpu; more in ds_config_zero*.json)
     p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(zero_utils.DEFAULT_CONFIG),
-                   default=str(zero_utils.DEFAULT_CONFIG), metavar="CONFIG", help="DeepSpeed JSON (ds_config_zero3.json)")
+                   default=str(zero_utils.DEFAULT_CONFIG), metavar="CONFIG", help="DeepSpeed JSON (default: ZeRO-3's)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], help="optimizer (and, stage 3, parameter) offload")
     p.add_argument("--nvme-path", default="/local_nvme", help="folder on a fast local disk for --offload nvme")
@@ -182,6 +182,7 @@ def main(argv=None):
                     training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
 
     # -------------------------------------------------------------------------------- evaluate
+    held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sums = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, device, config, autocast, rank,
                                    world_size)
     dist.all_reduce(sums)  # ZeRO: each rank evaluated its share
@@ -194,7 +195,6 @@ def main(argv=None):
     del hf_ds_config  # ZeRO: from here on transformers builds whole models again (rank 0 merges LoRA on its own)
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model.module, tokenizer, final, state)  # ZeRO: the engine wraps the model
-    held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     results = stats.results(eval_loss, world_size, global_batch, held)
     if rank == 0:
         training.write_json(out / "results.json", results)

@@ -149,6 +149,7 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
     choose_optimizer(config, torch.cuda.is_available())
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         config.setdefault(key, "auto")  # the loop needs these three to be what the flags say
+    bucket = hidden_size * hidden_size if zero.get("stage") == 3 else max(hidden_size * hidden_size, int(2.5e7))
     values = [  # (key in the JSON, value from the flags, flag named in an error)
         ("train_micro_batch_size_per_gpu", args.batch_size, "--batch-size"),
         ("gradient_accumulation_steps", args.grad_accum, "--grad-accum"),
@@ -169,8 +170,11 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
         ("fp16.initial_scale_power", int(math.log2(FP16_SCALER["init_scale"])), "training.FP16_SCALER"),
         ("fp16.loss_scale_window", FP16_SCALER["growth_interval"], "training.FP16_SCALER"),
         ("fp16.hysteresis", 1, "torch's GradScaler (no hysteresis)"),
-        # ZeRO-3 buffer sizes scale with the hidden size (the HF Trainer's rule)
-        ("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, None),
+        # the reduce buckets: ZeRO-3's scale with the hidden size (the HF Trainer's rule); ZeRO-1/2's too, but at least
+        # 2.5e7 elements (fewer, larger collectives); twice with overlap_comm, which pays on GPUs only (CUDA streams)
+        ("zero_optimization.reduce_bucket_size", bucket, None),
+        ("zero_optimization.allgather_bucket_size", bucket, None),
+        ("zero_optimization.overlap_comm", torch.cuda.is_available(), None),
         ("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size), None),
         ("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, None),
     ]
@@ -187,7 +191,8 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
         elif flag is not None and node[key] != value:
             mismatches.append(f"{dotted}={node[key]} vs {flag} = {value}")
     if mismatches:
-        fail(f"{path} disagrees with the flags: {'; '.join(mismatches)}. Set those keys to \"auto\" or change the flags")
+        fail(f"{path} disagrees with the flags: {'; '.join(mismatches)}. Set those keys to \"auto\" or change the "
+             f"flags")
     leftover = [k for k, v in _walk(config) if v == "auto"]
     if leftover:
         fail(f"{path}: no flag fills {', '.join(leftover)}; give them values")
@@ -202,8 +207,8 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
 
 
 def choose_optimizer(config, cuda):
-    """Fill the optimizer's "torch_adam" and "fused" when "auto": torch's AdamW (fused on GPUs), which nothing has to
-    compile, unless the optimizer state is offloaded. Without "torch_adam", DeepSpeed builds its FusedAdam with nvcc on
+    """Fill the optimizer's "torch_adam" and "fused" when "auto": torch's fused AdamW (on GPUs and CPUs), which nothing
+    has to compile, unless the optimizer state is offloaded. Without "torch_adam", DeepSpeed builds its FusedAdam with nvcc on
     the first run (a minute; and every run fails on a machine whose torch came from PyPI without the CUDA toolkit).
     With offload, the step runs on the CPU in DeepSpeedCPUAdam, which DeepSpeed compiles with the system's C++
     compiler on first use (job/preflight.py --offload checks for what it needs)."""
@@ -211,9 +216,9 @@ def choose_optimizer(config, cuda):
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
     if params.get("torch_adam") == "auto":
         params["torch_adam"] = not offload
-    if params.get("fused") == "auto":
+    if params.get("fused") == "auto":  # one kernel over all parameters: no temporaries the size of the model
         if params.get("torch_adam"):
-            params["fused"] = cuda
+            params["fused"] = True
         else:
             params.pop("fused")  # DeepSpeedCPUAdam takes no such argument
     return config

@@ -1,26 +1,28 @@
-"""Benchmark our recipe against the seeds' (bench/seed_recipe.py) on the same model, data and number of sequences.
+"""Benchmark our recipe against the two a user would otherwise run, on the same model, data and sequences per step:
+run_clm's (the HF Trainer with DeepSpeed ZeRO-2 on packed blocks) and this project's seeds' (every text padded).
 
-    python3 bench/run.py --set cpu       # 2 CPU processes, the demo model (a few minutes on 2 cores)
+    python3 bench/run.py --set cpu       # 2 CPU processes: the demo model and OPT-125m's shape (about 30 minutes)
     python3 bench/run.py --set gpu       # one GPU: OPT-125m and OPT-1.3B shapes, ZeRO-0/2/3 and ZeRO-3 + offload, bf16
     python3 bench/run.py --set largest   # one GPU: the largest OPT shape that trains with ZeRO-3 + CPU offload
-    python3 bench/run.py --set tiny --out /tmp/bench   # what the tests run: seconds
+    python3 bench/run.py --set tiny      # what the tests run: seconds
 
-Writes <out>/BENCHMARKS.md (one row per run: useful tokens/s, samples/s, step time, TFLOPs and MFU on a GPU, peak
-memory per rank next to plan.py's figure for it (GPU), final loss, and the ratio to the seeds' recipe measured in
-the same run) and <out>/throughput.png. A run marked probe may fail (out of memory): its row says so and the set
-goes on.
-GPU models are built from the published OPT shapes with random weights (they time exactly like trained ones).
-FLOPs per token: 6N + 12·L·H·Q·T (the PaLM appendix, as nanoGPT and torchtitan count them).
+Writes <out>/BENCHMARKS.md (default out/bench; `--out bench` updates the committed one) and <out>/throughput.png:
+one row per run, each the median of --repeat runs taken in alternating order with its peers: useful (non-padding)
+tokens/s and their range, the ratios to both peers, rank 0's peak memory and its ratio to run_clm's, the model states
+each rank held next to plan.py's figure, TFLOPs and MFU on a GPU, the final loss. Timing leaves out the first quarter
+of the steps (the warm-up). GPU models are OPT shapes with random weights (they time exactly like trained ones).
 """
 import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -29,33 +31,50 @@ import hardware  # noqa: E402
 import plan  # noqa: E402
 
 BIN = Path(sys.executable).parent
+PEERS = ("run_clm", "seeds")
 
 
-def run(name, ranks=1, stage=None, offload="none", precision="fp32", packing=True, batch=8, accum=1, compile=False,
-        probe=False):
+def run(name, ranks=1, stage=None, offload="none", precision="fp32", packing="isolated", batch=8, accum=1,
+        compile=False, data="reviews", loss_chunk=None, probe=False, peer=None):
     return dict(name=name, ranks=ranks, stage=stage, offload=offload, precision=precision, packing=packing,
-                batch=batch, accum=accum, compile=compile, probe=probe)
+                batch=batch, accum=accum, compile=compile, data=data, loss_chunk=loss_chunk, probe=probe, peer=peer)
 
 
-SETS = {  # model -> (steps, block size, [runs]); the peer runs once per model with the first run's global batch,
-    # except for a model whose runs are all probes
-    "tiny": {"demo": (6, 128, [run("ZeRO-2, 2 ranks", ranks=2, stage=2, batch=4)])},
-    "cpu": {"demo": (40, 128, [run("ZeRO-2, 2 ranks", ranks=2, stage=2, batch=8),
-                               run("single process", batch=16),
-                               run("single process, --compile", batch=16, compile=True),
-                               run("ZeRO-3, 2 ranks", ranks=2, stage=3, batch=8),
-                               run("ZeRO-3 + CPU offload, 2 ranks", ranks=2, stage=3, offload="cpu", batch=8)])},
-    "gpu": {shape: (60, 512, [run("single GPU, bf16", precision="bf16", batch=16),
-                              run("single GPU, bf16, --compile", precision="bf16", batch=16, compile=True),
-                              run("ZeRO-0, bf16", stage=0, precision="bf16", batch=16),
-                              run("ZeRO-2, bf16", stage=2, precision="bf16", batch=16),
-                              run("ZeRO-2, bf16, --compile", stage=2, precision="bf16", batch=16, compile=True),
-                              run("ZeRO-3, bf16", stage=3, precision="bf16", batch=16),
-                              run("ZeRO-3 + CPU offload, bf16", stage=3, offload="cpu", precision="bf16", batch=16)])
+def peers(ranks, batch, precision="fp32"):
+    return [run("run_clm recipe (Trainer, ZeRO-2, stream-packed blocks)", ranks, 2, precision=precision,
+                packing="stream", batch=batch, peer="run_clm"),
+            run("seeds' recipe (Trainer, ZeRO-2, every text padded)", ranks, 2, precision=precision, packing="none",
+                batch=batch, peer="seeds")]
+
+
+def zero2(name, **kw):
+    return run(name, ranks=2, stage=2, **kw)
+
+
+SETS = {  # model -> (steps, block size, repeats, [runs]); peers first
+    "tiny": {"demo": (6, 128, 1, [*peers(2, 4), zero2("ZeRO-2, 2 ranks", batch=4)])},
+    "cpu": {
+        "demo": (40, 128, 3, [*peers(2, 8), zero2("ZeRO-2, 2 ranks", batch=8),
+                              zero2("ZeRO-2, 2 ranks, stream packing", batch=8, packing="stream"),
+                              zero2("ZeRO-2, 2 ranks, chats (loss on answers)", batch=8, data="questions"),
+                              run("single process", batch=16), run("single process, --compile", batch=16, compile=True),
+                              run("ZeRO-3, 2 ranks", ranks=2, stage=3, batch=8),
+                              run("ZeRO-3 + CPU offload, 2 ranks", ranks=2, stage=3, offload="cpu", batch=8)]),
+        "opt-125m": (12, 256, 3, [*peers(2, 8)[:1], zero2("ZeRO-2, 2 ranks", batch=8),
+                                  zero2("ZeRO-2, 2 ranks, stream packing", batch=8, packing="stream"),
+                                  zero2("ZeRO-2, 2 ranks, plain loss (--loss-chunk 0)", batch=8, loss_chunk=0)]),
+    },
+    "gpu": {shape: (60, 512, 1, [*peers(1, 16, "bf16"),
+                                 run("single GPU, bf16", precision="bf16", batch=16),
+                                 run("single GPU, bf16, --compile", precision="bf16", batch=16, compile=True),
+                                 run("ZeRO-0, bf16", stage=0, precision="bf16", batch=16),
+                                 run("ZeRO-2, bf16", stage=2, precision="bf16", batch=16),
+                                 run("ZeRO-3, bf16", stage=3, precision="bf16", batch=16),
+                                 run("ZeRO-3 + CPU offload, bf16", stage=3, offload="cpu", precision="bf16", batch=16)])
             for shape in ("opt-125m", "opt-1.3b")},
-    # the seed's default was opt-6.7b: which shapes fine-tune on one GPU (and this host's memory) with full offload
-    "largest": {shape: (10, 512, [run("ZeRO-3 + CPU offload, bf16", stage=3, offload="cpu", precision="bf16", batch=4,
-                                      probe=True)])
+    # the seeds' default was opt-6.7b: which shapes fine-tune on one GPU (and this host's memory) with full offload
+    "largest": {shape: (10, 512, 1, [run("ZeRO-3 + CPU offload, bf16", stage=3, offload="cpu", precision="bf16",
+                                         batch=4, probe=True)])
                 for shape in ("opt-1.3b", "opt-2.7b", "opt-6.7b")},
 }
 
@@ -63,14 +82,14 @@ SETS = {  # model -> (steps, block size, [runs]); the peer runs once per model w
 def model_folder(name, out):
     """The demo model, or an OPT shape with random weights and the demo tokenizer."""
     if name == "demo":
-        return demo.assets()['lm']
+        return demo.assets()["lm"]
     folder = out / "models" / name
     if not (folder / "config.json").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
         config = plan.load_config(f"facebook/{name}")
         torch.manual_seed(0)  # saved in bf16: half the disk; the scripts load it in fp32
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-        AutoTokenizer.from_pretrained(demo.assets()['lm']).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(demo.assets()["lm"]).save_pretrained(folder)
     return folder
 
 
@@ -78,7 +97,7 @@ def launch(cmd, folder, probe=False):
     """The run's results.json; for a probe that failed, the reason (its last error line) instead."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     if not torch.cuda.is_available():
-        env["OMP_NUM_THREADS"] = "1"
+        env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode and probe:
         lines = [line for line in (done.stdout + done.stderr).splitlines() if "Error" in line or "error:" in line]
@@ -88,24 +107,32 @@ def launch(cmd, folder, probe=False):
     return json.loads((folder / "results.json").read_text())
 
 
-def ours(spec, model, steps, block, out):
-    name = f"{Path(model).name} {spec['name']}"
-    folder = out / "runs" / name.replace(" ", "_").replace(",", "").replace("+", "plus").replace("--", "")
-    flags = [f"--model={model}", f"--dataset={demo.assets()['reviews']}", f"--block-size={block}",
-             f"--batch-size={spec['batch']}", f"--grad-accum={spec['accum']}", f"--max-steps={steps}",
-             f"--precision={spec['precision']}", "--save-every=0", f"--log-every={max(1, steps // 4)}", "--prompt=",
-             f"--output-dir={folder}", "--overwrite"] + ([] if spec["packing"] else ["--packing=none"])
-    flags += ["--compile"] if spec["compile"] else []
+def measure(spec, model, steps, block, out):
+    """One run of ours or of a peer; its results with the steady state (after the first quarter of the steps)."""
+    folder = out / "runs" / "".join(c if c.isalnum() else "_" for c in f"{Path(model).name} {spec['name']}")
+    dataset = demo.assets()[spec["data"]]
+    launcher = [BIN / "deepspeed", "--num_gpus", str(spec["ranks"])] if spec["stage"] is not None else [BIN / "python"]
+    if spec["peer"]:
+        cmd = [*launcher, "bench/peers.py", f"--recipe={spec['peer']}", f"--model={model}", f"--dataset={dataset}",
+               f"--block-size={block}", f"--batch-size={spec['batch']}", f"--steps={steps}",
+               f"--warmup-steps={max(1, steps // 4)}", f"--precision={spec['precision']}", f"--output-dir={folder}",
+               "--deepspeed"]
+        return launch(cmd, folder)
+    flags = [f"--model={model}", f"--dataset={dataset}", f"--block-size={block}", f"--batch-size={spec['batch']}",
+             f"--grad-accum={spec['accum']}", f"--max-steps={steps}", f"--precision={spec['precision']}",
+             f"--packing={spec['packing']}", "--save-every=0", f"--log-every={max(1, steps // 4)}", "--prompt=",
+             f"--output-dir={folder}", "--overwrite"] + (["--compile"] if spec["compile"] else [])
+    flags += [] if spec["loss_chunk"] is None else [f"--loss-chunk={spec['loss_chunk']}"]
     if spec["stage"] is None:
-        cmd = [BIN / "python", "single-gpu.py", *flags]
+        cmd = [*launcher, "single-gpu.py", *flags]
     else:
-        cmd = [BIN / "deepspeed", "--num_gpus", str(spec["ranks"]), "zero-optimization.py", *flags,
-               "--deepspeed_config=ds_config_zero2.json", f"--zero-stage={spec['stage']}", f"--offload={spec['offload']}"]
+        cmd = [*launcher, "zero-optimization.py", *flags, "--deepspeed=ds_config_zero2.json",
+               f"--zero-stage={spec['stage']}", f"--offload={spec['offload']}"]
     r = launch(cmd, folder, spec["probe"])
     if isinstance(r, dict):  # the first log interval is the warm-up: what comes after it is the steady state
         warm, *later = r["log_intervals"]
         r["steady"] = dict(steps=later[-1][0] - warm[0], seconds=sum(i[1] for i in later),
-                           tokens=sum(i[2] for i in later))
+                           tokens=sum(i[2] for i in later), attended=sum(i[2] * i[3] for i in later))
     return r
 
 
@@ -113,114 +140,100 @@ def tokens_per_sec(r):
     return r["steady"]["tokens"] / r["steady"]["seconds"]
 
 
-def planned_bytes(spec, config, block):
-    """plan.py's model states + activations per GPU for this run (16-bit training only: its arithmetic's case)."""
-    if spec["precision"] not in ("bf16", "fp16"):
-        return None
-    psi, largest = plan.count_params(config)
+def planned_bytes(spec, config):
+    """plan.py's model states per rank for this run (after the step, as results.json counts them at the end)."""
     option = "ZeRO-0" if spec["stage"] is None else f"ZeRO-{spec['stage']}"
     option += " + CPU offload" if spec["offload"] == "cpu" else ""
-    states = plan.model_states(psi, largest, spec["ranks"], 1)[option][0]
-    return states + plan.activations(spec["batch"], block, config.hidden_size, config.num_hidden_layers,
-                                     config.vocab_size, checkpointing=False)
-
-
-def peer(spec, model, steps, block, out):
-    folder = out / "runs" / "seeds_recipe"
-    max_length = min(512, plan.load_config(str(model)).max_position_embeddings)
-    cmd = [BIN / "deepspeed", "--num_gpus", str(spec["ranks"]), "bench/seed_recipe.py", f"--model={model}",
-           f"--dataset={demo.assets()['reviews']}", f"--max-length={max_length}", f"--batch-size={spec['batch']}",
-           f"--num-sequences={steps * spec['batch'] * spec['accum'] * spec['ranks']}", f"--output-dir={folder}",
-           f"--warmup-steps={max(1, steps // 4)}",
-           "--deepspeed=ds_config_zero2.json"]
-    return launch(cmd, folder), max_length
+    return plan.model_states(plan.parameters(config), config.hidden_size, spec["precision"], spec["ranks"],
+                             option)["after_step"]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--set", default="cpu", choices=sorted(SETS))
-    p.add_argument("--out", default=str(ROOT / "bench"), help="folder for BENCHMARKS.md and throughput.png")
+    p.add_argument("--out", default=str(ROOT / "out" / "bench"), help="folder for BENCHMARKS.md and throughput.png")
+    p.add_argument("--repeat", type=int, help="runs of each (default: the set's)")
+    p.add_argument("--models", nargs="+", help="only these of the set's models")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    found = hardware.peak_tflops(device_name, "bf16") if cuda else None
-    peak = found[0] if found else None
     rows = []
-    for model_name, (steps, block, specs) in SETS[args.set].items():
+    for model_name, (steps, block, repeats, specs) in SETS[args.set].items():
+        if args.models and model_name not in args.models:
+            continue
         model = model_folder(model_name, out)
         config = plan.load_config(str(model))
-        n_params = plan.count_params(config)[0]
-        seeds = None
-        if not all(spec["probe"] for spec in specs):
-            seeds, max_length = peer(specs[0], model, steps, block, out)
-            rows.append(dict(model=model_name, run=f"seeds' recipe (Trainer, padded to {max_length}, fp32)",
-                             ranks=specs[0]["ranks"], stage="2", offload="none", precision="fp32", packing="no",
-                             batch=f"{specs[0]['batch']} x 1", result=seeds, seq=max_length, ratio=1.0, planned=None))
-        for spec in specs:
-            r = ours(spec, model, steps, block, out)
-            failed = isinstance(r, str)
-            rows.append(dict(model=model_name, run=spec["name"] + (f": did not run ({r})" if failed else ""),
-                             ranks=spec["ranks"], stage="-" if spec["stage"] is None else str(spec["stage"]),
-                             offload=spec["offload"], precision=spec["precision"],
-                             packing="yes" if spec["packing"] else "no", batch=f"{spec['batch']} x {spec['accum']}",
-                             result=None if failed else r, seq=block,
-                             ratio=None if failed or seeds is None else tokens_per_sec(r) / tokens_per_sec(seeds),
-                             planned=planned_bytes(spec, config, block) if cuda else None))
-        for row in rows[-len(specs) - (seeds is not None):]:
+        with torch.device("meta"):  # nothing allocated
+            n_params = hardware.matmul_params(AutoModelForCausalLM.from_config(config))
+        runs = {i: [] for i in range(len(specs))}
+        for _ in range(args.repeat or repeats):  # alternating order: each repeat runs every spec once
+            for i, spec in enumerate(specs):
+                runs[i].append(measure(spec, model, steps, block, out))
+        for i, spec in enumerate(specs):
+            results = [r for r in runs[i] if isinstance(r, dict)]
+            failed = runs[i][0] if not results else None
+            speeds = sorted(tokens_per_sec(r) for r in results)
+            median = statistics.median(speeds) if speeds else None
+            row = dict(model=model_name, spec=spec, run=spec["name"] + (f": did not run ({failed})" if failed else ""),
+                       speeds=speeds, median=median, result=results[len(results) // 2] if results else None,
+                       memory=statistics.median(r["peak_memory_bytes"] for r in results) if results else None)
             r = row["result"]
-            if r is None:
-                continue
-            steady = r["steady"]
-            row["samples_per_sec"] = steady["steps"] * r["global_batch_size"] / steady["seconds"]
-            row["step_time"] = steady["seconds"] / steady["steps"]
-            tflops = hardware.flops_per_token(config, n_params, row["seq"]) * tokens_per_sec(r) / r["world_size"] / 1e12
-            row["tflops"], row["mfu"] = (tflops, tflops / peak) if peak else (None, None)
+            if r and not spec["peer"]:
+                row["held"] = max(r["model_state_bytes_per_rank"])
+                row["planned"] = planned_bytes(spec, config)
+                found = hardware.peak_tflops(device_name, spec["precision"]) if cuda else None
+                if found:
+                    attended = r["steady"]["attended"] / r["steady"]["tokens"]
+                    flops = hardware.flops_per_token(config, n_params, attended) * median / r["world_size"]
+                    row["tflops"], row["mfu"] = flops / 1e12, flops / 1e12 / found[0]
+            rows.append(row)
+        for row in rows[-len(specs):]:
+            for peer in PEERS:
+                ref = next((x for x in rows[-len(specs):] if x["spec"]["peer"] == peer), None)
+                if ref and row["median"] and ref["median"]:
+                    row[f"x {peer}"] = row["median"] / ref["median"]
+                    row[f"mem {peer}"] = row["memory"] / ref["memory"]
     write_report(rows, out, args.set, device_name)
     return rows
 
 
 def write_report(rows, out, name, device_name):
     date = datetime.date.today().isoformat()
+    gib = lambda b: f"{b / 2**30:.2f}" if b is not None else "-"
+    size = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
     lines = [f"# Benchmarks: set `{name}`, {device_name}, {date}", "",
-             "Useful tokens/s counts real (non-padding) tokens trained on, all ranks together, after the first "
-             "quarter of the steps (the warm-up: compilation, allocator, DeepSpeed's first steps), as are samples/s and "
-             "step time; x seeds is the ratio to "
-             "the seeds' recipe (HF Trainer + DeepSpeed ZeRO-2, every text padded to max length, fp32) on the same "
-             "model, data and number of sequences, measured in the same run. TFLOPs and MFU (6N + 12·L·H·Q·T FLOPs "
-             "per token against the GPU's dense bf16 peak) on GPUs only. Peak memory: rank 0 (GPU allocated, or the "
-             "process's resident memory on CPU); planned: `plan.py`'s model states + activations for the same run "
-             "(16-bit runs on GPUs).", "",
-             *([] if "CPU" not in device_name else [
-                 "CPU figures (no GPU was lent to the session that made them): `python3 bench/run.py --set gpu` on a "
-                 "GPU machine adds the OPT-125m and OPT-1.3B shapes with TFLOPs and MFU.", ""]),
-             "| model | run | ranks | ZeRO | offload | precision | packing | micro-batch x accum | useful tok/s "
-             "| samples/s | step time (s) | TFLOPs/GPU | MFU | peak mem/rank (GiB) | planned (GiB) | final loss "
-             "| x seeds |",
-             "|" + "---|" * 17]
+             "Useful tokens/s counts the real (non-padding) tokens trained on, all ranks together, after the first "
+             "quarter of the steps (the warm-up); the median of the runs, taken in alternating order with the peers "
+             "(range in brackets). x run_clm and x seeds: ratios to the peers measured in the same run, on the same "
+             "model, data and sequences per step. Peak memory: rank 0's (GPU allocated, or the process's peak "
+             "resident memory on CPU), and its ratio to run_clm's. Model states: the bytes each rank held after the "
+             "last step (`memory.py`), and `plan.py`'s figure for the run. TFLOPs and MFU on GPUs only "
+             "([docs/gpu.md](../docs/gpu.md)).", "",
+             "| model | run | ranks | ZeRO | precision | packing | useful tok/s | x run_clm | x seeds | peak mem/rank "
+             "(GiB) | mem vs run_clm | model states/rank: counted / planned | TFLOPs/GPU | MFU | final loss |",
+             "|" + "---|" * 15]
     for row in rows:
-        r = row["result"]
-        planned = f"{row['planned'] / 2**30:.2f}" if row["planned"] is not None else "-"
-        cells = [row["model"], row["run"], row["ranks"], row["stage"], row["offload"], row["precision"],
-                 row["packing"], row["batch"]]
-        if r is None:  # a probe that did not run
-            cells += ["-"] * 6 + [planned, "-", "-"]
-        else:
-            cells += [f"{tokens_per_sec(r):,.0f}", f"{row['samples_per_sec']:.1f}", f"{row['step_time']:.3f}",
-                      f"{row['tflops']:.0f}" if row["tflops"] is not None else "-",
-                      f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-",
-                      f"{r['peak_memory_bytes'] / 2**30:.2f}", planned, f"{r['losses'][-1]:.3f}",
-                      f"{row['ratio']:.1f}x" if row["ratio"] is not None else "-"]
+        spec, r = row["spec"], row["result"]
+        speeds = (f"{row['median']:,.0f} [{row['speeds'][0]:,.0f}-{row['speeds'][-1]:,.0f}]"
+                  if len(row["speeds"]) > 1 else f"{row['median']:,.0f}") if row["median"] else "-"
+        ratio = lambda key, fmt: fmt.format(row[key]) if key in row else "-"
+        states = f"{size(row['held'])} / {size(row['planned'])}" if "held" in row else "-"
+        cells = [row["model"], row["run"], spec["ranks"], "-" if spec["stage"] is None else spec["stage"],
+                 spec["precision"], spec["packing"], speeds, ratio("x run_clm", "{:.2f}x"), ratio("x seeds", "{:.1f}x"),
+                 gib(row["memory"]), ratio("mem run_clm", "{:.2f}x"), states,
+                 f"{row['tflops']:.0f}" if "tflops" in row else "-",
+                 f"{100 * row['mfu']:.1f}%" if "mfu" in row else "-", f"{r['losses'][-1]:.3f}" if r else "-"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     (out / "BENCHMARKS.md").write_text("\n".join(lines) + "\n")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
     labels = [f"{row['model']}: {row['run'].split(': did not run')[0]}" for row in rows]
-    ax.barh(labels, [tokens_per_sec(row["result"]) if row["result"] else 0 for row in rows],
-            color=["tab:gray" if row["run"].startswith("seeds") else "tab:blue" for row in rows])
+    ax.barh(labels, [row["median"] or 0 for row in rows],
+            color=["tab:gray" if row["spec"]["peer"] else "tab:blue" for row in rows])
     ax.invert_yaxis()
     ax.set(xlabel="useful tokens per second", title=f"{device_name}, {date}")
     fig.tight_layout()

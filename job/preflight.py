@@ -102,7 +102,8 @@ def offload_facts():
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    return {"prebuilt_cpu_adam": bool(installed_ops.get("cpu_adam")), "prebuilt_aio": bool(installed_ops.get("async_io")),
+    return {"prebuilt_cpu_adam": bool(installed_ops.get("cpu_adam")),
+            "prebuilt_aio": bool(installed_ops.get("async_io")),
             "cxx": shutil.which(ce.get_cxx_compiler()), "ninja": ce.is_ninja_available(),
             "python_h": Path(sysconfig.get_paths()["include"], "Python.h").exists(),
             "cuda": __import__("torch").cuda.is_available(), "cuda_home": ce.CUDA_HOME,

@@ -38,7 +38,7 @@ def probe(folder, precision, option, world_size):
                               lr=1e-3, weight_decay=0.0, precision=precision, zero_stage=stage, offload=offload,
                               nvme_path="")
     ds_config = zero_utils.deepspeed_config(args, world_size, 10, 1, config.hidden_size)
-    hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 (alive while the model loads, as in the script)
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # alive while the model loads, as in the script
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                                    model_parameters=training.param_groups(model, 0.0))
@@ -51,6 +51,7 @@ def probe(folder, precision, option, world_size):
         engine.step()
     counts["after_step"] = memory.held_bytes(engine, optimizer)
     engine.destroy()
+    del hf_ds_config
     return {"model": Path(folder).name, "precision": precision, "option": option, "ranks": world_size,
             "rank": dist.get_rank(), **{f"counted_{k}": v for k, v in counts.items()},
             **{f"planned_{k}": planned[k] for k in counts}}

@@ -22,7 +22,7 @@ def test_auto_values_come_from_the_flags():
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (4, 2, 16)
     assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
-                                             "torch_adam": True, "fused": False}
+                                             "torch_adam": True, "fused": True}
     assert config["bf16"]["enabled"] is False and config["fp16"]["enabled"] is False
     assert config["gradient_clipping"] == 1.0
     assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
@@ -35,7 +35,7 @@ def test_auto_values_come_from_the_flags():
 
 @pytest.mark.parametrize("cuda, offload, expect", [
     (True, "none", {"torch_adam": True, "fused": True}),  # torch's fused AdamW: no FusedAdam built with nvcc
-    (False, "none", {"torch_adam": True, "fused": False}),
+    (False, "none", {"torch_adam": True, "fused": True}),
     (True, "cpu", {"torch_adam": False}),  # DeepSpeedCPUAdam (C++), which takes no `fused`
 ])
 def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect):

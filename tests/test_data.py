@@ -123,7 +123,7 @@ def test_a_document_in_a_packed_block_sees_only_itself(tiny, tokenizer, attentio
 def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokenizer):
     torch.manual_seed(0)
     config = next(tiny_models(len(tokenizer)))[1]  # OPT, 256 positions, random weights
-    model = loss.attach(AutoModelForCausalLM.from_config(config), 16, 4 * 256)
+    model = loss.attach(AutoModelForCausalLM.from_config(config), 16)
     args = argparse.Namespace(batch_size=4, loss_chunk=16)
     sums = {}
     for packing in ("isolated", "none"):
@@ -147,7 +147,7 @@ def test_prompt_completion_puts_the_loss_on_the_completion(tmp_path, tiny, token
     assert train.format == "prompt-completion"
     completion_tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in rows)
     assert train.predicted.sum() + evals.predicted.sum() == completion_tokens  # + EOS each, nothing of the prompts
-    model = loss.attach(AutoModelForCausalLM.from_pretrained(tiny["model"]), 8, 64)
+    model = loss.attach(AutoModelForCausalLM.from_pretrained(tiny["model"]), 8)
     inputs, labels = train.batch([0], tokenizer.pad_token_id, torch.device("cpu"), model.config)
     with torch.no_grad():
         full = model(**inputs).logits  # the original forward (no targets): all logits

@@ -1,9 +1,8 @@
 """The chunked loss equals the plain cross-entropy, loss and gradients, for OPT, GPT-2 and Llama (tied and untied
 heads), with padding and masked labels; and it never holds all the logits at once."""
-import argparse
-
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
 
 import data
@@ -44,7 +43,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
     plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
     chunked = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
     chunked.load_state_dict(plain.state_dict())
-    loss.attach(chunked, chunk_tokens=37, max_tokens=4 * 256)  # several chunks, the last one short
+    loss.attach(chunked, chunk_tokens=37)  # several chunks, the last one short
     # four blocks of unequal length: padding at the ends, the prompts' labels masked
     rows = sorted(range(len(train)), key=lambda i: train.lengths[i])[::len(train) // 4][:4]
     inputs, labels = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), chunked.config)
@@ -69,7 +68,7 @@ def test_plain_path_and_generation_are_the_models_own(chats):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(ARCHITECTURES["opt (tied)"](len(tokenizer)))
     before = model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=4, do_sample=False)
-    loss.attach(model, chunk_tokens=0, max_tokens=2 * 256)
+    loss.attach(model, chunk_tokens=0)
     assert model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=4, do_sample=False).equal(before)
     inputs, labels = train.batch([0, 1], tokenizer.pad_token_id, torch.device("cpu"), model.config)
     with torch.no_grad():
@@ -79,24 +78,34 @@ def test_plain_path_and_generation_are_the_models_own(chats):
     assert "model.decoder.embed_tokens.weight" in model.state_dict()  # the names a checkpoint holds: unchanged
 
 
-def test_the_logits_of_all_tokens_never_exist_at_once(chats):
-    """The largest tensor the loss allocates is one chunk's logits, not (tokens x vocabulary)."""
-    train, tokenizer = chats
-    torch.manual_seed(0)
-    vocab, chunk = len(tokenizer), 32
-    model = loss.attach(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](vocab)), chunk, 4 * 256)
-    inputs, labels = train.batch(list(range(4)), tokenizer.pad_token_id, torch.device("cpu"), model.config)
-    largest = []
+class LargestLogits(TorchDispatchMode):
+    """The largest tensor of logits (last dimension: the vocabulary) any operation makes, by number of elements."""
 
-    def record(*args, **kwargs):
-        out = original(*args, **kwargs)
-        largest.append(out.numel())
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.largest = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab:
+                self.largest = max(self.largest, t.numel())
         return out
 
-    head = model.get_output_embeddings()
-    original, head.forward = head.forward, record
-    loss.token_loss_sum(model, inputs, labels).backward()
-    chunks = 4 * 256 // chunk  # the same on every rank: fixed by the largest micro-batch
-    per_chunk = -(-len(labels[1]) // chunks)  # the tokens that carry loss, shared out evenly
-    assert max(largest) == per_chunk * vocab < inputs["input_ids"].numel() * vocab / 4  # plain: all tokens x vocab
-    assert len(largest) == 2 * chunks  # every chunk once forward, once recomputed in backward
+
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_the_logits_of_all_tokens_never_exist_at_once(chats, chunk):
+    """In chunks, the largest tensor of forward and backward is one chunk's logits, not (tokens x vocabulary)."""
+    train, tokenizer = chats
+    torch.manual_seed(0)
+    vocab = len(tokenizer)
+    model = loss.attach(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](vocab)), chunk)
+    inputs, labels = train.batch(list(range(4)), tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    tokens = inputs["input_ids"].numel()
+    with LargestLogits(vocab) as seen:
+        loss.token_loss_sum(model, inputs, labels).backward()
+    if chunk:
+        assert seen.largest == chunk * vocab  # one chunk's logits (and their gradient, in place)
+    else:  # the plain path: every position's logits
+        assert seen.largest == tokens * vocab
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -146,3 +146,17 @@ def test_fp16_steps_the_schedule_only_when_the_update_happened(tmp_path, tiny, m
     skipped = round(math.log2(2.0 ** 20 / scale))  # each overflow halved the scale once
     assert 1 <= skipped < 6
     assert state["scheduler"]["last_epoch"] == 6 - skipped  # the schedule moved for the real updates only
+
+
+def test_a_failed_sample_is_a_line_not_a_failed_run(tmp_path, tiny, monkeypatch, capsys):
+    """Everything is saved before the sample; an out-of-memory there must not turn a finished run into a failed one."""
+    import transformers
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", out_of_memory)
+    out = tmp_path / "run"
+    r = single.main(base_args(tiny, out, **{"--prompt": "The food"}))
+    assert r["sample"] is None and results(out)["eval_loss"] > 0 and (out / "final" / "model.safetensors").exists()
+    assert "no sample (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)" in capsys.readouterr().out
