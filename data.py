@@ -321,12 +321,15 @@ def _prepare(args, tokenizer, folder):
         workers = min(args.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
         if workers > 1:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (and no fork warning)
+        if len(rows) > 20_000:  # a progress bar where it takes a while
+            datasets.enable_progress_bars()
         docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
                         num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
                         fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=args.train_on_prompt))
         errors = docs.data.column("error").drop_null()
         if len(errors):
             fail(f"dataset {args.dataset} ({name} split), {errors[0].as_py()}; fix or drop that row")
+        datasets.disable_progress_bars()
         cut = _write_split(docs, args.block_size, args.packing, partial / name)
         meta[name] = {"rows": len(rows), "cut": cut}
     meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows
@@ -408,20 +411,3 @@ def attention_layout(implementation):
     if implementation and implementation.startswith("flash_attention"):
         return "varlen"
     return "additive" if implementation == "eager" else "bool"
-
-
-class GlobalBatches:
-    """The order of training: optimizer step s trains on the same global batch of blocks whatever the number of
-    ranks, a new seeded shuffle each epoch. Ranks and micro-steps only split it (see the training loops)."""
-
-    def __init__(self, num_blocks, global_batch, seed):
-        self.num_blocks, self.global_batch, self.seed = num_blocks, global_batch, seed
-        self.steps_per_epoch = num_blocks // global_batch  # a last, partial global batch is dropped
-        self._epoch, self._order = None, None
-
-    def __call__(self, step):
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.num_blocks, generator=generator)
-        return self._order[k * self.global_batch:(k + 1) * self.global_batch]

@@ -10,14 +10,13 @@ Places to tune are marked `To-Do:`.
 """
 import argparse
 import contextlib
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, PrinterCallback,
-                          Trainer, TrainerCallback, TrainingArguments, pipeline)
+from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
+                          PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import data
@@ -68,18 +67,17 @@ def classification_metrics(logits, labels, num_classes):
             "accuracy_then_loss": accuracy - min(cross_entropy, 100.0) / (101.0 * len(labels))}
 
 
-def trainer_deepspeed_config(path, device):
-    """The JSON for the Trainer, which fills its "auto" values itself, but not the optimizer choice: torch's AdamW
-    unless offloaded (zero_utils.choose_optimizer), so nothing is compiled at run time."""
+def trainer_deepspeed_config(path, device, hidden_size):
+    """The JSON for the Trainer, which fills the "auto" values its arguments set, but not the optimizer choice (torch's
+    AdamW unless offloaded: nothing compiled at run time) nor the buckets and overlap_comm (from the hardware)."""
     if not path:
         return None
-    try:
-        config = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        training.fail(f"DeepSpeed config {path} does not exist; pass --deepspeed with a JSON file")
-    except json.JSONDecodeError as e:
-        training.fail(f"DeepSpeed config {path} is not valid JSON ({e}); fix the file")
-    return zero_utils.choose_optimizer(config, device.type == "cuda")
+    config = zero_utils.choose_optimizer(zero_utils.read_config(path), device.type == "cuda")
+    zero = config.get("zero_optimization", {})
+    for key, value in zero_utils.tuned_values(zero.get("stage", 0), hidden_size, device.type == "cuda").items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    return config
 
 
 class EpochLine(TrainerCallback):
@@ -182,7 +180,9 @@ def main(argv=None):
     for flag in ("lr", "batch_size", "grad_accum", "max_length", "epochs"):
         if getattr(args, flag) <= 0:
             training.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    ds_config = trainer_deepspeed_config(args.deepspeed, device)
+    remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
+    hidden_size = models.load_pretrained(AutoConfig, args.model, **remote).hidden_size
+    ds_config = trainer_deepspeed_config(args.deepspeed, device, hidden_size)
     out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     if args.resume:
         say(f"resuming from {check_trainer_resume(out / 'checkpoints', world_size, args.deepspeed).name}")
@@ -197,7 +197,6 @@ def main(argv=None):
                       f"{', '.join(train.column_names)}); pass --text-column")
     names, train, evaluation = class_labels(train, evaluation, args.label_column, args.dataset)
     examples = list(evaluation.select(range(min(3, len(evaluation))))[args.text_column])  # shown at the end
-    remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
     tokenizer = models.load_pretrained(AutoTokenizer, args.model, **remote)
     tokenize = lambda batch: tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length)
     train, evaluation = (split.select_columns([args.text_column, "labels"]).map(

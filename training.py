@@ -170,6 +170,23 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda, device)  # a list: an older checkpoint
 
 
+class GlobalBatches:
+    """The order of training: optimizer step s trains on the same global batch of blocks whatever the number of
+    ranks, a new seeded shuffle each epoch. Ranks and micro-steps only split it (see the training loops)."""
+
+    def __init__(self, num_blocks, global_batch, seed):
+        self.num_blocks, self.global_batch, self.seed = num_blocks, global_batch, seed
+        self.steps_per_epoch = num_blocks // global_batch  # a last, partial global batch is dropped
+        self._epoch, self._order = None, None
+
+    def __call__(self, step):
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.num_blocks, generator=generator)
+        return self._order[k * self.global_batch:(k + 1) * self.global_batch]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Progress: losses, throughput, MFU
 

@@ -128,12 +128,7 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
     """Read the JSON config (--deepspeed PATH) and fill its "auto" values from the flags. An explicit value that
     disagrees with a flag is an error naming both; --zero-stage and --offload override the file."""
     path = args.deepspeed
-    try:
-        config = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        fail(f"DeepSpeed config {path} does not exist; pass --deepspeed with a JSON file")
-    except json.JSONDecodeError as e:
-        fail(f"DeepSpeed config {path} is not valid JSON ({e}); fix the file")
+    config = read_config(path)
     zero = config.setdefault("zero_optimization", {})
     if args.zero_stage is not None:
         zero["stage"] = args.zero_stage
@@ -149,7 +144,6 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
     choose_optimizer(config, torch.cuda.is_available())
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         config.setdefault(key, "auto")  # the loop needs these three to be what the flags say
-    bucket = hidden_size * hidden_size if zero.get("stage") == 3 else max(hidden_size * hidden_size, int(2.5e7))
     values = [  # (key in the JSON, value from the flags, flag named in an error)
         ("train_micro_batch_size_per_gpu", args.batch_size, "--batch-size"),
         ("gradient_accumulation_steps", args.grad_accum, "--grad-accum"),
@@ -170,14 +164,8 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
         ("fp16.initial_scale_power", int(math.log2(FP16_SCALER["init_scale"])), "training.FP16_SCALER"),
         ("fp16.loss_scale_window", FP16_SCALER["growth_interval"], "training.FP16_SCALER"),
         ("fp16.hysteresis", 1, "torch's GradScaler (no hysteresis)"),
-        # the reduce buckets: ZeRO-3's scale with the hidden size (the HF Trainer's rule); ZeRO-1/2's too, but at least
-        # 2.5e7 elements (fewer, larger collectives); twice with overlap_comm, which pays on GPUs only (CUDA streams)
-        ("zero_optimization.reduce_bucket_size", bucket, None),
-        ("zero_optimization.allgather_bucket_size", bucket, None),
-        ("zero_optimization.overlap_comm", torch.cuda.is_available(), None),
-        ("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size), None),
-        ("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, None),
-    ]
+    ] + [(f"zero_optimization.{key}", value, None)
+         for key, value in tuned_values(zero.get("stage", 0), hidden_size, torch.cuda.is_available()).items()]
     mismatches = []
     for dotted, value, flag in values:
         *parents, key = dotted.split(".")
@@ -204,6 +192,25 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
         error = e.errors()[0]
         fail(f"{path}: zero_optimization.{'.'.join(map(str, error['loc']))}: {error['msg']}; fix or remove it")
     return config
+
+
+def read_config(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        fail(f"DeepSpeed config {path} does not exist; pass --deepspeed with a JSON file")
+    except json.JSONDecodeError as e:
+        fail(f"DeepSpeed config {path} is not valid JSON ({e}); fix the file")
+
+
+def tuned_values(stage, hidden_size, cuda):
+    """The zero_optimization values that no flag sets, for "auto": the reduce buckets of ZeRO-3 scale with the hidden
+    size (the HF Trainer's rule); ZeRO-1/2's too, but at least 2.5e7 elements (fewer, larger collectives); twice
+    that with overlap_comm, which pays on GPUs only (CUDA streams)."""
+    bucket = hidden_size * hidden_size if stage == 3 else max(hidden_size * hidden_size, int(2.5e7))
+    return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size}
 
 
 def choose_optimizer(config, cuda):

@@ -126,7 +126,8 @@ def measure(spec, model, steps, block, out):
     if spec["stage"] is None:
         cmd = [*launcher, "single-gpu.py", *flags]
     else:
-        cmd = [*launcher, "zero-optimization.py", *flags, "--deepspeed=ds_config_zero2.json",
+        config = "ds_config_zero3.json" if spec["stage"] == 3 else "ds_config_zero2.json"  # each stage's shipped one
+        cmd = [*launcher, "zero-optimization.py", *flags, f"--deepspeed={config}",
                f"--zero-stage={spec['stage']}", f"--offload={spec['offload']}"]
     r = launch(cmd, folder, spec["probe"])
     if isinstance(r, dict):  # the first log interval is the warm-up: what comes after it is the steady state

@@ -6,6 +6,7 @@ import pytest
 
 import training
 import zero_utils
+from conftest import load_script
 
 ZERO3 = str(training.HERE / "ds_config_zero3.json")
 ZERO2 = str(training.HERE / "ds_config_zero2.json")
@@ -91,3 +92,28 @@ def test_bad_files(tmp_path):
     (tmp_path / "bad.json").write_text("{ not json")
     with pytest.raises(SystemExit, match="not valid JSON"):
         zero_utils.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, 8)
+
+
+@pytest.mark.parametrize("path", [ZERO2, ZERO3])
+@pytest.mark.parametrize("device, overlap", [("cpu", False), ("cuda", True)])
+def test_the_trainer_leaves_no_auto_value_unfilled(path, device, overlap):
+    """Accelerate refuses any "auto" the Trainer did not fill (overlap_comm, allgather_bucket_size): we fill those."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    config = load_script("sequence_classification.py").trainer_deepspeed_config(path, torch.device(device), hidden_size=768)
+    hf = HfTrainerDeepSpeedConfig(config)  # what the Trainer (transformers 5.23) does with it
+    args = SimpleNamespace(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                           max_grad_norm=1.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                           weight_decay=0.0, save_on_each_node=False, fp16=False, fp16_full_eval=False,
+                           bf16=device == "cuda", bf16_full_eval=False, get_warmup_steps=lambda n: 0)
+    hf.trainer_config_process(args)
+    hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=768)), 100)
+    assert [k for k, v in zero_utils._walk(hf.config) if v == "auto"] == []
+    zero = hf.config["zero_optimization"]
+    assert zero["overlap_comm"] is overlap
+    bucket = 768 * 768 if zero["stage"] == 3 else int(2.5e7)
+    assert (zero["reduce_bucket_size"], zero.get("allgather_bucket_size", bucket)) == (bucket, bucket)
+    assert hf.config["optimizer"]["params"]["torch_adam"] is True

@@ -251,12 +251,12 @@ def test_batches_shift_labels_and_mask_padding(tiny, tokenizer):
 
 
 def test_global_batches_do_not_depend_on_the_split():
-    order = data.GlobalBatches(num_blocks=100, global_batch=8, seed=3)
+    order = training.GlobalBatches(num_blocks=100, global_batch=8, seed=3)
     assert order.steps_per_epoch == 12
     first_epoch = torch.cat([order(s) for s in range(12)])
     assert len(set(first_epoch.tolist())) == 96  # no sequence twice in an epoch
     assert not torch.equal(order(12), order(0))  # a new shuffle each epoch
-    again = data.GlobalBatches(100, 8, seed=3)
+    again = training.GlobalBatches(100, 8, seed=3)
     assert torch.equal(again(5), order(5))
     # 2 ranks x micro-batch 2 x 2 micro-steps cover exactly the global batch, micro-step by micro-step
     batch = order(5)
