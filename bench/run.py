@@ -35,9 +35,10 @@ PEERS = ("run_clm", "seeds")
 
 
 def run(name, ranks=1, stage=None, offload="none", precision="fp32", packing="isolated", batch=8, accum=1,
-        compile=False, data="reviews", loss_chunk=None, probe=False, peer=None):
+        compile=False, data="reviews", loss_chunk=None, lora=0, probe=False, peer=None):
     return dict(name=name, ranks=ranks, stage=stage, offload=offload, precision=precision, packing=packing,
-                batch=batch, accum=accum, compile=compile, data=data, loss_chunk=loss_chunk, probe=probe, peer=peer)
+                batch=batch, accum=accum, compile=compile, data=data, loss_chunk=loss_chunk, lora=lora, probe=probe,
+                peer=peer)
 
 
 def peers(ranks, batch, precision="fp32"):
@@ -57,6 +58,7 @@ SETS = {  # model -> (steps, block size, repeats, [runs]); peers first
         "demo": (40, 128, 3, [*peers(2, 8), zero2("ZeRO-2, 2 ranks", batch=8),
                               zero2("ZeRO-2, 2 ranks, stream packing", batch=8, packing="stream"),
                               zero2("ZeRO-2, 2 ranks, chats (loss on answers)", batch=8, data="questions"),
+                              zero2("ZeRO-2, 2 ranks, LoRA rank 16", batch=8, lora=16),
                               run("single process", batch=16), run("single process, --compile", batch=16, compile=True),
                               run("ZeRO-3, 2 ranks", ranks=2, stage=3, batch=8),
                               run("ZeRO-3 + CPU offload, 2 ranks", ranks=2, stage=3, offload="cpu", batch=8)]),
@@ -123,6 +125,7 @@ def measure(spec, model, steps, block, out):
              f"--packing={spec['packing']}", "--save-every=0", f"--log-every={max(1, steps // 4)}", "--prompt=",
              f"--output-dir={folder}", "--overwrite"] + (["--compile"] if spec["compile"] else [])
     flags += [] if spec["loss_chunk"] is None else [f"--loss-chunk={spec['loss_chunk']}"]
+    flags += [f"--lora-rank={spec['lora']}"] if spec["lora"] else []
     if spec["stage"] is None:
         cmd = [*launcher, "single-gpu.py", *flags]
     else:
@@ -145,8 +148,8 @@ def planned_bytes(spec, config):
     """plan.py's model states per rank for this run (after the step, as results.json counts them at the end)."""
     option = "ZeRO-0" if spec["stage"] is None else f"ZeRO-{spec['stage']}"
     option += " + CPU offload" if spec["offload"] == "cpu" else ""
-    return plan.model_states(plan.parameters(config), config.hidden_size, spec["precision"], spec["ranks"],
-                             option)["after_step"]
+    return plan.model_states(plan.parameters(config, spec["lora"]), config.hidden_size, spec["precision"],
+                             spec["ranks"], option)["after_step"]
 
 
 def main(argv=None):
