@@ -4,9 +4,6 @@ Each decision is a small function of plain facts (a device name, a compute capab
 sees), so a test on a CPU can hand it the facts of an H100 or a V100 (tests/test_hardware.py).
 """
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import os
 import re
 from dataclasses import dataclass
@@ -158,23 +155,3 @@ def flops_per_token(config, num_params, attended):
     H·Q the hidden size, T the tokens a token attends to: the block length when texts are packed into one stream,
     the document's own length when documents are isolated or padded (`attended`, the mean over the tokens)."""
     return 6 * num_params + 12 * config.num_hidden_layers * config.hidden_size * attended
-
-
-@functools.lru_cache(maxsize=None)
-def _glibc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None  # glibc only (not musl, not macOS)
-
-
-def release_freed_memory(device):
-    """After a step on a CPU, hand the memory the step freed back to the operating system. glibc keeps freed blocks
-    below its mmap threshold (which rises to 32 MB as large tensors are freed) in the heap, so each step's activations
-    stay resident and the next step's land beside them: on OPT-125m, ZeRO-3, 2 ranks, rank 0's peak resident memory
-    was 5.6 GB without this and 4.4 GB with it, at the same speed (bench/BENCHMARKS.md). A GPU's tensors live in
-    CUDA's caching allocator instead: nothing to do there."""
-    libc = _glibc() if device.type == "cpu" else None
-    if libc is not None:
-        libc.malloc_trim(0)

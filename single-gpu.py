@@ -154,7 +154,6 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         stats.end_step(step_loss, train, indices)
-        hardware.release_freed_memory(device)  # CPU: the step's freed activations back to the OS
 
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))

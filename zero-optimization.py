@@ -164,7 +164,6 @@ def main(argv=None):
             model.step()  # ZeRO: at the last micro-step: clip, update, step the LR schedule, zero the gradients
             step_loss += batch_loss.detach()
         stats.end_step(step_loss, train, indices)
-        hardware.release_freed_memory(device)  # CPU: the step's freed activations back to the OS
 
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))

@@ -53,8 +53,11 @@ def worker(dataset, local_rank):
     order = np.random.default_rng(local_rank).permutation(len(train))
     for k in range(50):
         train.batch(order[8 * k:8 * (k + 1)], tokenizer.pad_token_id, torch.device("cpu"), None)
+    with open("/proc/self/status") as f:  # now: the process's own memory, and the file pages it maps (shared)
+        now = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+               if k in ("RssAnon", "RssFile")}
     print(json.dumps({"rank": local_rank, "seconds": prepared, "blocks": len(train),
-                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **now}))
 
 
 def main():
@@ -73,16 +76,19 @@ def main():
         for ranks in (1, 2):
             cache = out / "prepare-cache" / f"{n}-{ranks}"  # a fresh cache: the preparation really runs
             subprocess.run(["rm", "-rf", str(cache)], check=True)
-            env = {**os.environ, "DATA_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+            # and a fresh cache of the datasets library too, whose Arrow copy of the file would serve the next run
+            env = {**os.environ, "DATA_CACHE": str(cache), "HF_DATASETS_CACHE": str(cache / "hf"),
+                   "HF_HUB_OFFLINE": "1"}
             procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(dataset), str(r)], env=env,
                                       stdout=subprocess.PIPE, text=True) for r in range(ranks)]
             for proc in procs:
                 line = proc.communicate()[0].strip().splitlines()[-1]
                 rows.append({"docs": n, "ranks": ranks, **json.loads(line)})
-    lines = ["| documents | ranks | rank | preparation (s) | blocks of 256 | peak resident memory (MiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| documents | ranks | rank | preparation (s) | blocks of 256 | peak resident memory (MiB) | at the end: "
+             "own (anonymous) / mapped file pages (MiB) |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['docs']:,} | {r['ranks']} | {r['rank']} | {r['seconds']:.1f} | {r['blocks']:,} | "
-              f"{r['peak_rss'] / 2**20:,.0f} |" for r in rows]
+              f"{r['peak_rss'] / 2**20:,.0f} | {r['RssAnon'] / 2**20:,.0f} / {r['RssFile'] / 2**20:,.0f} |"
+              for r in rows]
     (out / "PREPARE.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

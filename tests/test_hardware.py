@@ -158,24 +158,3 @@ def test_random_state_is_this_process_and_its_own_device():
     before = torch.rand(3)
     training.set_rng_state({"cpu": state["cpu"], "cuda": [torch.zeros(1)] * 8}, torch.device("cpu"))  # 8 saved GPUs
     assert torch.rand(3).equal(before)
-
-
-def test_a_step_on_a_cpu_gives_its_freed_memory_back(monkeypatch):
-    def resident_mb():
-        with open("/proc/self/status") as f:
-            return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) // 1024
-
-    torch.empty(16 * 2**20, dtype=torch.uint8).fill_(1)  # freed at once: glibc's mmap threshold rises to 16 MB
-    blocks = [torch.ones(2**21) for _ in range(64)]  # 512 MB of 8 MB tensors, like a step's activations
-    last = blocks[-1]
-    del blocks  # all freed but the last: glibc keeps them resident
-    freed = resident_mb()
-    hardware.release_freed_memory(torch.device("cpu"))
-    assert resident_mb() < freed - 400
-    del last
-    calls = []  # on a GPU the activations were CUDA's: no call into the C library
-    monkeypatch.setattr(hardware, "_glibc", lambda: type("libc", (), {"malloc_trim": calls.append})())
-    hardware.release_freed_memory(torch.device("cuda"))
-    assert calls == []
-    hardware.release_freed_memory(torch.device("cpu"))
-    assert calls == [0]
