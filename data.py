@@ -321,6 +321,7 @@ def _prepare(args, tokenizer, folder):
         workers = min(args.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
         if workers > 1:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (and no fork warning)
+        quiet = datasets.are_progress_bars_disabled()
         if len(rows) > 20_000:  # a progress bar where it takes a while
             datasets.enable_progress_bars()
         docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
@@ -329,7 +330,8 @@ def _prepare(args, tokenizer, folder):
         errors = docs.data.column("error").drop_null()
         if len(errors):
             fail(f"dataset {args.dataset} ({name} split), {errors[0].as_py()}; fix or drop that row")
-        datasets.disable_progress_bars()
+        if quiet:  # as training.quiet had it
+            datasets.disable_progress_bars()
         cut = _write_split(docs, args.block_size, args.packing, partial / name)
         meta[name] = {"rows": len(rows), "cut": cut}
     meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows

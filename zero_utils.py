@@ -205,8 +205,8 @@ def read_config(path):
 
 def tuned_values(stage, hidden_size, cuda):
     """The zero_optimization values that no flag sets, for "auto": the reduce buckets of ZeRO-3 scale with the hidden
-    size (the HF Trainer's rule); ZeRO-1/2's too, but at least 2.5e7 elements (fewer, larger collectives); twice
-    that with overlap_comm, which pays on GPUs only (CUDA streams)."""
+    size (the HF Trainer's rule); ZeRO-1/2's too, but at least 2.5e7 elements (fewer, larger collectives). overlap_comm
+    (which holds the buckets twice) pays on GPUs only, where it runs the reductions on a side CUDA stream."""
     bucket = hidden_size * hidden_size if stage == 3 else max(hidden_size * hidden_size, int(2.5e7))
     return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda,
             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),

@@ -103,7 +103,8 @@ def test_the_trainer_leaves_no_auto_value_unfilled(path, device, overlap):
     import torch
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    config = load_script("sequence_classification.py").trainer_deepspeed_config(path, torch.device(device), hidden_size=768)
+    script = load_script("sequence_classification.py")
+    config = script.trainer_deepspeed_config(path, torch.device(device), hidden_size=768)
     hf = HfTrainerDeepSpeedConfig(config)  # what the Trainer (transformers 5.23) does with it
     args = SimpleNamespace(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                            max_grad_norm=1.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
