@@ -26,6 +26,10 @@ from training import fail
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
 VERSION = 2  # of the prepared files' layout: part of the cache key
+# Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
+# every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
+BATCH = 10_000
+CHUNK = 4096  # pieces of documents written at a time: at most 48 MB of output pages mapped at once
 LOSS, DOC_START = 1, 2  # bits of the per-token flags: this token is predicted (carries loss); a document starts here
 # For a tokenizer without a chat template: plain-text headers (no new tokens to learn), and the assistant's turns,
 # with the EOS that teaches the model to stop, marked as what the model generates.
@@ -48,9 +52,9 @@ def load_splits(name, config_name=None, seed=0, max_train_samples=0, eval_fracti
                 fail(f"dataset file {name} does not exist; pass a .csv/.json/.jsonl/.txt/.parquet file or a hub name")
             if path.suffix not in LOCAL_FORMATS:
                 fail(f"cannot read {name}: use a .csv, .json, .jsonl, .txt or .parquet file")
-            data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path))
+            data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), writer_batch_size=BATCH)
         else:
-            data = datasets.load_dataset(name, config_name)
+            data = datasets.load_dataset(name, config_name, writer_batch_size=BATCH)
     except SystemExit:
         raise
     except Exception as e:  # offline, unknown name, malformed or empty file: all end here
@@ -196,27 +200,40 @@ def best_fit_decreasing(lengths, block_size):
     return doc[order], start[order], length[order], block[order]
 
 
-def _stream_batches(dataset, columns):
+def _record_batches(dataset, columns):
     """The columns of a dataset, a record batch at a time, read (not memory-mapped) from its cache files where it has
-    them: the preparing process's memory stays flat in the corpus size."""
+    them. Only the files' names are kept: once the caller drops the dataset, its memory map closes, and the preparing
+    process's memory stays flat in the corpus size."""
     import pyarrow as pa
 
     if not dataset.cache_files or dataset._indices is not None:
-        yield from dataset.data.select(columns).to_batches(max_chunksize=50_000)
-        return
-    for file in dataset.cache_files:
-        with pa.OSFile(file["filename"]) as f:
-            for batch in pa.ipc.open_stream(f):
-                yield batch.select(columns)
+        return iter(dataset.data.select(columns).to_batches(max_chunksize=50_000))
+    files = [file["filename"] for file in dataset.cache_files]
+
+    def read():
+        for file in files:
+            with pa.OSFile(file) as f:
+                for batch in pa.ipc.open_stream(f):
+                    yield batch.select(columns)
+    return read()
 
 
-def _write_split(docs, block_size, packing, folder):
+def _checked(batches, where):
+    """The record batches, after checking that no row of each is an error."""
+    for batch in batches:
+        errors = batch.column(2).drop_null()
+        if len(errors):
+            fail(f"{where}, {errors[0].as_py()}; fix or drop that row")
+        yield batch
+
+
+def _write_split(batches, block_size, packing, folder):
     """The split's blocks, as files: tokens.npy and flags.npy (one entry per token, block after block) and
     blocks.npy (per block: start, length, predicted tokens, and the sum of its segments' squared lengths, which
     counts the attention's work). Written in chunks, so memory stays flat in the corpus size."""
     lengths = []
     with open(folder / "source-tokens", "wb") as tokens_out, open(folder / "source-loss", "wb") as loss_out:
-        for batch in _stream_batches(docs, ["ids", "loss"]):
+        for batch in batches:
             ids, loss = batch.column(0), batch.column(1)
             lengths.append(np.diff(np.asarray(ids.offsets)))
             tokens_out.write(np.asarray(ids.values, dtype=np.int32)[ids.offsets[0].as_py():].tobytes())
@@ -238,19 +255,26 @@ def _write_split(docs, block_size, packing, folder):
     table = np.zeros((nblocks, 4), dtype=np.int64)  # start, length, predicted tokens, attended
     table[:, 1], table[:, 3] = count(block, n), count(block, n.astype(np.int64) ** 2)
     table[:, 0] = np.cumsum(table[:, 1]) - table[:, 1]
-    out = np.cumsum(n, dtype=np.int64) - n
-    with open(folder / "tokens.bin", "wb") as tokens_out, open(folder / "flags.bin", "wb") as flags_out:
-        for a in range(0, len(src), 10_000):  # mapped anew per chunk: the pages read do not pile up in memory
-            tokens_in = np.memmap(folder / "source-tokens", np.int32, "r") if len(src) else None
-            loss_in = np.memmap(folder / "source-loss", np.uint8, "r") if len(src) else None
-            s, m = src[a:a + 10_000], n[a:a + 10_000]
-            index = np.repeat(s - (out[a:a + 10_000] - out[a]), m) + np.arange(m.sum())
-            flags = loss_in[index] & LOSS
-            flags[(out[a:a + 10_000] - out[a])[new_segment[a:a + 10_000]]] = DOC_START
-            table[:, 2] += count(np.repeat(block[a:a + 10_000], m), flags & LOSS)
-            tokens_out.write(tokens_in[index].tobytes())
-            flags_out.write(flags.tobytes())
-            del tokens_in, loss_in
+    out, total = np.cumsum(n, dtype=np.int64) - n, int(n.sum())  # each piece's place in the output
+    for name, size in (("tokens.bin", 4), ("flags.bin", 1)):
+        with open(folder / name, "wb") as f:
+            f.truncate(total * size)
+    # The pieces in source order, a chunk at a time, each written to its place. The files are mapped anew per chunk
+    # and read in order: a random read of a mapped file maps its neighbouring 64 KB too (the kernel's fault-around),
+    # which would map the whole source within a chunk; a write maps its page only.
+    order = np.argsort(src, kind="stable")
+    for a in range(0, len(order), CHUNK):
+        piece = order[a:a + CHUNK]
+        m = n[piece]
+        first = np.cumsum(m) - m  # each piece's first token in this chunk
+        within = np.arange(first[-1] + m[-1]) - np.repeat(first, m)
+        read, write = np.repeat(src[piece], m) + within, np.repeat(out[piece], m) + within
+        flags = np.memmap(folder / "source-loss", np.uint8, "r")[read] & LOSS
+        flags[first[new_segment[piece]]] = DOC_START
+        table[:, 2] += count(np.repeat(block[piece], m), flags & LOSS)
+        np.memmap(folder / "flags.bin", np.uint8, "r+")[write] = flags
+        tokens = np.memmap(folder / "source-tokens", np.int32, "r")[read]
+        np.memmap(folder / "tokens.bin", np.int32, "r+")[write] = tokens
     np.save(folder / "blocks.npy", table[table[:, 2] > 0])  # a block with nothing to learn (a long prompt's piece)
     for name in ("source-tokens", "source-loss"):
         (folder / name).unlink()
@@ -327,12 +351,12 @@ def _prepare(args, tokenizer, folder):
         docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
                         num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
                         fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=args.train_on_prompt))
-        errors = docs.data.column("error").drop_null()
-        if len(errors):
-            fail(f"dataset {args.dataset} ({name} split), {errors[0].as_py()}; fix or drop that row")
         if quiet:  # as training.quiet had it
             datasets.disable_progress_bars()
-        cut = _write_split(docs, args.block_size, args.packing, partial / name)
+        batches = _record_batches(docs, ["ids", "loss", "error"])
+        del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
+        cut = _write_split(_checked(batches, f"dataset {args.dataset} ({name} split)"), args.block_size, args.packing,
+                           partial / name)
         meta[name] = {"rows": len(rows), "cut": cut}
     meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows
     (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))

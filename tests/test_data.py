@@ -55,7 +55,9 @@ def test_best_fit_decreasing_keeps_documents_whole():
 
 
 @pytest.mark.parametrize("packing", ["isolated", "stream", "none"])
-def test_every_token_in_its_place(tiny, tokenizer, packing):
+def test_every_token_in_its_place(tiny, tokenizer, packing, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CACHE", tmp_path)  # prepared here, written 7 pieces at a time
+    monkeypatch.setattr(data, "CHUNK", 7)
     train, _ = data.prepare(data_args(tiny["data"], packing=packing), tokenizer)
     rows = data.load_splits(tiny["data"], seed=0)[0]  # the same training split
     docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]
