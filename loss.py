@@ -87,7 +87,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scale = lambda g, dtype=None: None if g is None else (g * grad_out).to(dtype or g.dtype)
+        # in place: a scaled copy of the head's gradient would be a second (vocabulary x hidden) tensor. A second
+        # backward through the same graph (retain_graph) is refused by autograd: the saved tensors have changed.
+        scale = lambda g, dtype=None: None if g is None else g.mul_(grad_out).to(dtype or g.dtype)
         return (scale(grad_hidden, ctx.hidden_dtype), scale(grad_weight), scale(grad_bias), None, None, None, None)
 
 

@@ -51,9 +51,9 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
 
     logits = plain(**inputs).logits  # the model's own forward: all the logits
     reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[0].flatten(), reduction="sum")
-    reference.backward()
+    (reference / 3).backward()  # as training scales it: by the count of tokens that carry loss
     mine = loss.token_loss_sum(chunked, inputs, labels)
-    mine.backward()
+    (mine / 3).backward(retain_graph=True)
     assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
     want, got = gradients(plain), gradients(chunked)
     assert want.keys() == got.keys()
@@ -61,6 +61,8 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
     for n in want:  # relative to the parameter's own gradient (k_proj's bias has none: softmax ignores it)
         scale = max(want[n].abs().max().item(), 1e-9 * largest)
         assert (want[n] - got[n]).abs().max().item() <= 1e-6 * scale, n
+    with pytest.raises(RuntimeError, match="modified by an inplace"):  # the saved gradients were scaled in place
+        mine.backward()
 
 
 def test_plain_path_and_generation_are_the_models_own(chats):
