@@ -290,12 +290,15 @@ def prepare(args, tokenizer, local_rank=0):
     failed = folder.with_name(f"{folder.name}.failed")  # what local rank 0 could not prepare, for the others to say
     if local_rank == 0 and not (folder / "meta.json").exists():
         failed.unlink(missing_ok=True)
+        partial = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")  # renamed to `folder` once complete
         try:
-            _prepare(args, tokenizer, folder)
+            _prepare(args, tokenizer, folder, partial)
         except SystemExit as e:
             CACHE.mkdir(parents=True, exist_ok=True)
             failed.write_text(str(e))
             raise
+        finally:  # what a failed or interrupted preparation wrote is of no use to a rerun
+            shutil.rmtree(partial, ignore_errors=True)
     while not (folder / "meta.json").exists():
         if failed.exists() and failed.stat().st_mtime >= started - 1:
             raise SystemExit(failed.read_text())
@@ -322,7 +325,7 @@ def cache_key(args, tokenizer):
     return h.hexdigest()[:16]
 
 
-def _prepare(args, tokenizer, folder):
+def _prepare(args, tokenizer, folder, partial):
     import datasets
 
     if tokenizer.eos_token_id is None:
@@ -334,7 +337,6 @@ def _prepare(args, tokenizer, folder):
              f"tokenizer's offsets")
     if fmt == "messages" and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    partial = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     meta = {"format": fmt, "columns": names}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),

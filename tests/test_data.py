@@ -209,12 +209,15 @@ def test_messages_put_the_loss_on_the_assistant(tmp_path, tiny, template):
     ([{"messages": [{"role": "user", "content": "only a question"}]}] * 3, "row 0: no assistant turn"),
     ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": ""}] * 3, "row 1: the completion is empty"),
 ])
-def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message):
+def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message, monkeypatch):
+    monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(SystemExit) as e:
         data.prepare(data_args(path), tokenizer)
     text = str(e.value)
     assert text.startswith("error: ") and message in text and "\n" not in text and "fix or drop that row" in text
+    # the reason is left for the node's other ranks; the half-written folder is not left at all
+    assert [p.suffix for p in data.CACHE.iterdir()] == [".failed"]
 
 
 def test_formats_from_the_columns_and_the_flags():
