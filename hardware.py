@@ -131,10 +131,10 @@ def peak_tflops(name, precision):
     return None
 
 
-def matmul_params(model):
-    """N in 6N: the parameters that take part in matrix products for every token. Position embeddings and an input
-    embedding are only looked up; an embedding tied to the output head is counted once, as the head (torchtitan's
-    count). Whole under ZeRO-3 too (ds_numel)."""
+def matmul_params(model, trainable_only=False):
+    """N in 6N: the parameters that take part in matrix products for every token (only those that train, with
+    `trainable_only`). Position embeddings and an input embedding are only looked up; an embedding tied to the output
+    head is counted once, as the head (torchtitan's count). Whole under ZeRO-3 too (ds_numel)."""
     numel = lambda p: getattr(p, "ds_numel", p.numel())
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     seen, total = set(), 0
@@ -143,15 +143,18 @@ def matmul_params(model):
     inputs = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
     lookups = {id(p) for p in (inputs.parameters() if inputs is not None else [])} - {id(head_weight)}
     for name, p in inner.named_parameters(remove_duplicate=True):
-        if id(p) in seen or id(p) in lookups or "position" in name:
+        if id(p) in seen or id(p) in lookups or "position" in name or (trainable_only and not p.requires_grad):
             continue
         seen.add(id(p))
         total += numel(p)
     return total
 
 
-def flops_per_token(config, num_params, attended):
+def flops_per_token(config, num_params, attended, trainable=None):
     """6N + 12·L·H·Q·T (the PaLM appendix, as nanoGPT and torchtitan count it): N parameters in matmuls, L layers,
     H·Q the hidden size, T the tokens a token attends to: the block length when texts are packed into one stream,
-    the document's own length when documents are isolated or padded (`attended`, the mean over the tokens)."""
-    return 6 * num_params + 12 * config.num_hidden_layers * config.hidden_size * attended
+    the document's own length when documents are isolated or padded (`attended`, the mean over the tokens).
+    6N is 2N forward, 2N for the gradients of the activations and 2N for those of the weights: with frozen weights
+    (LoRA) only the `trainable` of the N have the last, so 4N + 2·trainable."""
+    weights = num_params if trainable is None else trainable
+    return 4 * num_params + 2 * weights + 12 * config.num_hidden_layers * config.hidden_size * attended

@@ -202,6 +202,7 @@ class RunStats:
         self.total = sum(numel(p) for p in {id(p): p for p in inner.parameters()}.values())
         self.trainable = sum(numel(p) for p in {id(p): p for p in inner.parameters() if p.requires_grad}.values())
         self.matmul_params = hardware.matmul_params(inner)
+        self.trained_matmul_params = hardware.matmul_params(inner, trainable_only=True)
         facts = hardware.facts(device)
         self.peak = hardware.peak_tflops(facts.name, args.precision) if facts.kind == "cuda" else None
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
@@ -258,7 +259,9 @@ class RunStats:
         """Model FLOPs utilization over these log intervals: FLOPs done per second per GPU over the peak."""
         if not self.peak or not intervals:
             return None
-        flops = sum(hardware.flops_per_token(self.config, self.matmul_params, a) * t for _, _, t, a in intervals)
+        per_token = lambda attended: hardware.flops_per_token(self.config, self.matmul_params, attended,
+                                                              self.trained_matmul_params)
+        flops = sum(per_token(a) * t for _, _, t, a in intervals)
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         return flops / sum(s for _, s, _, _ in intervals) / world_size / (self.peak[0] * 1e12)
 

@@ -87,6 +87,12 @@ def test_mfu_counts_untied_input_embeddings_out():
     assert hardware.matmul_params(llama) == total(llama) - 100 * 16  # untied: the input embedding is a lookup
     config = argparse.Namespace(num_hidden_layers=2, hidden_size=16)
     assert hardware.flops_per_token(config, 1000, attended=50) == 6 * 1000 + 12 * 2 * 16 * 50
+    # frozen weights (LoRA) need no weight gradient: 4N + 2 x the trainable ones
+    for p in llama.parameters():
+        p.requires_grad_(p.dim() == 1)  # only the norms train here
+    norms = sum(p.numel() for p in llama.parameters() if p.dim() == 1)
+    assert hardware.matmul_params(llama, trainable_only=True) == norms
+    assert hardware.flops_per_token(config, 1000, 50, trainable=10) == 4 * 1000 + 2 * 10 + 12 * 2 * 16 * 50
 
 
 def test_attention_implementation_for_the_hardware():
