@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                          PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline)
+                          PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 import data
@@ -67,17 +67,42 @@ def classification_metrics(logits, labels, num_classes):
             "accuracy_then_loss": accuracy - min(cross_entropy, 100.0) / (101.0 * len(labels))}
 
 
-def trainer_deepspeed_config(path, device, hidden_size):
+def trainer_deepspeed_config(path, device, hidden_size, args):
     """The JSON for the Trainer, which fills the "auto" values its arguments set, but not the optimizer choice (torch's
-    AdamW unless offloaded: nothing compiled at run time) nor the buckets and overlap_comm (from the hardware)."""
+    AdamW unless offloaded: nothing compiled at run time) nor the buckets and overlap_comm (from the hardware); and
+    the TrainingArguments its AdamW section sets (see trainer_optimizer)."""
     if not path:
-        return None
+        return None, {}
     config = zero_utils.choose_optimizer(zero_utils.read_config(path), device.type == "cuda")
     zero = config.get("zero_optimization", {})
     for key, value in zero_utils.tuned_values(zero.get("stage", 0), hidden_size, device.type == "cuda").items():
         if zero.get(key) == "auto":
             zero[key] = value
-    return config
+    return config, trainer_optimizer(config, args, path)
+
+
+def trainer_optimizer(config, args, path):
+    """transformers hands an optimizer that the DeepSpeed config names all the parameters in one group
+    (integrations/deepspeed.py: DummyOptim(params=model_parameters)), so weight decay would fall on biases and norms
+    too, unlike the same run without DeepSpeed. An AdamW section is therefore taken out of the config and the Trainer
+    makes its own AdamW, with biases and norms undecayed; DeepSpeed runs it as a client optimizer (accelerate turns it
+    into DeepSpeedCPUAdam, groups kept, when the optimizer state is offloaded). Its betas and eps become the
+    TrainingArguments that set them; other optimizers stay DeepSpeed's."""
+    section = config.get("optimizer") or {}
+    params = section.get("params", {})
+    if section.get("type", "").lower() not in ("adam", "adamw") or params.get("adam_w_mode") is False:
+        return {}
+    for key, flag in (("lr", "--lr"), ("weight_decay", "--weight-decay")):
+        if params.get(key, "auto") not in ("auto", getattr(args, key)):
+            training.fail(f"{path} sets optimizer.params.{key}={params[key]} but {flag} is {getattr(args, key)}; "
+                          f"set it to \"auto\" or change the flag")
+    config.pop("optimizer")
+    kwargs = {}
+    if params.get("betas", "auto") != "auto":
+        kwargs["adam_beta1"], kwargs["adam_beta2"] = params["betas"]
+    if params.get("eps", "auto") != "auto":
+        kwargs["adam_epsilon"] = params["eps"]
+    return kwargs
 
 
 class EpochLine(TrainerCallback):
@@ -182,7 +207,7 @@ def main(argv=None):
             training.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
     hidden_size = models.load_pretrained(AutoConfig, args.model, **remote).hidden_size
-    ds_config = trainer_deepspeed_config(args.deepspeed, device, hidden_size)
+    ds_config, optimizer_args = trainer_deepspeed_config(args.deepspeed, device, hidden_size, args)
     out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     if args.resume:
         say(f"resuming from {check_trainer_resume(out / 'checkpoints', world_size, args.deepspeed).name}")
@@ -217,7 +242,8 @@ def main(argv=None):
         logging_steps=10, report_to=args.report_to, deepspeed=ds_config, disable_tqdm=not args.verbose,
         log_level="warning" if args.verbose else "error",
         use_cpu=device.type == "cpu",  # on a machine without CUDA; without it a distributed launch miscounts ranks
-        dataloader_pin_memory=device.type == "cuda")
+        dataloader_pin_memory=device.type == "cuda", **optimizer_args)
+    set_seed(args.seed)  # the new head's random weights: the Trainer seeds only once the model exists
     with quiet_loading(args.verbose):  # transformers reports the new head's weights as missing: they are new on purpose
         model = models.load_pretrained(
             AutoModelForSequenceClassification, args.model, num_labels=len(names), **remote,

@@ -33,11 +33,18 @@ def argv(root, out, *extra):
             "--epochs", "2", "--output-dir", str(out), *extra]
 
 
-def test_one_process_without_deepspeed(sentiment, tmp_path):
-    r = classification.main(argv(sentiment, tmp_path / "run"))
+@pytest.fixture(scope="module")
+def one_process(sentiment, tmp_path_factory):
+    """One process without DeepSpeed; weight decay high enough that where it falls shows in the eval loss."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    return classification.main(argv(sentiment, out, "--weight-decay", "0.5")), out
+
+
+def test_one_process_without_deepspeed(one_process):
+    r, out = one_process
     assert r["accuracy"] >= 0.9 and r["f1_macro"] >= 0.9 and r["world_size"] == 1
     assert r["labels"] == ["negative", "positive"]
-    classify = pipeline("text-classification", model=str(tmp_path / "run" / "final"))
+    classify = pipeline("text-classification", model=str(out / "final"))
     answers = classify(["The staff were wonderful and made us feel at home. I cannot wait to come back!",
                         "The staff ignored us for 40 minutes and never apologized. Never again."])
     assert [a["label"] for a in answers] == ["positive", "negative"]
@@ -77,12 +84,14 @@ def test_resume_after_a_crash_and_on_another_number_of_ranks(sentiment, tmp_path
     assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
 
 
-def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path):
-    """`python3 sequence_classification.py --deepspeed ...` on one GPU: no launcher, so no MPI lookup either."""
+def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path, one_process):
+    """`python3 sequence_classification.py --deepspeed ...` on one GPU: no launcher, so no MPI lookup either. ZeRO-2
+    on one rank trains as the run without DeepSpeed: the same eval loss, weight decay kept off biases and norms."""
     run = check(launch("python", "sequence_classification.py",
-                       argv(sentiment, tmp_path / "run", "--deepspeed")))
+                       argv(sentiment, tmp_path / "run", "--weight-decay", "0.5", "--deepspeed")))
     r = results(tmp_path / "run")
     assert r["world_size"] == 1 and r["accuracy"] >= 0.9, (r, run.stderr[-2000:])
+    assert r["eval_loss"] == pytest.approx(one_process[0]["eval_loss"], rel=1e-5)
 
 
 def test_the_best_epoch_is_the_most_accurate_and_of_those_the_lowest_loss():

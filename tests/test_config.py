@@ -104,7 +104,9 @@ def test_the_trainer_leaves_no_auto_value_unfilled(path, device, overlap):
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
     script = load_script("sequence_classification.py")
-    config = script.trainer_deepspeed_config(path, torch.device(device), hidden_size=768)
+    flags = SimpleNamespace(lr=1e-4, weight_decay=0.0)
+    config, optimizer_args = script.trainer_deepspeed_config(path, torch.device(device), 768, flags)
+    assert "optimizer" not in config and optimizer_args == {}  # the Trainer's AdamW, in groups (see the next test)
     hf = HfTrainerDeepSpeedConfig(config)  # what the Trainer (transformers 5.23) does with it
     args = SimpleNamespace(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                            max_grad_norm=1.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
@@ -117,4 +119,20 @@ def test_the_trainer_leaves_no_auto_value_unfilled(path, device, overlap):
     assert zero["overlap_comm"] is overlap
     bucket = 768 * 768 if zero["stage"] == 3 else int(2.5e7)
     assert (zero["reduce_bucket_size"], zero.get("allgather_bucket_size", bucket)) == (bucket, bucket)
-    assert hf.config["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_the_trainer_makes_the_adamw_a_config_names():
+    """An AdamW section becomes the Trainer's AdamW (biases and norms undecayed), its betas and eps its arguments; an
+    explicit lr that is not --lr is one line; another optimizer stays DeepSpeed's."""
+    from types import SimpleNamespace
+
+    script = load_script("sequence_classification.py")
+    flags = SimpleNamespace(lr=1e-4, weight_decay=0.01)
+    adamw = lambda **params: {"optimizer": {"type": "AdamW", "params": {"lr": "auto", **params}}}
+    config = adamw(betas=[0.9, 0.95], eps=1e-6, weight_decay=0.01)
+    assert script.trainer_optimizer(config, flags, "c.json") == dict(adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-6)
+    assert "optimizer" not in config
+    with pytest.raises(SystemExit, match=r"c.json sets optimizer.params.lr=0.001 but --lr is 0.0001; set it to"):
+        script.trainer_optimizer(adamw(lr=1e-3), flags, "c.json")
+    lamb = {"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}
+    assert script.trainer_optimizer(lamb, flags, "c.json") == {} and lamb["optimizer"]["type"] == "Lamb"
