@@ -68,9 +68,8 @@ def classification_metrics(logits, labels, num_classes):
 
 
 def trainer_deepspeed_config(path, device, hidden_size, args):
-    """The JSON for the Trainer, which fills the "auto" values its arguments set, but not the optimizer choice (torch's
-    AdamW unless offloaded: nothing compiled at run time) nor the buckets and overlap_comm (from the hardware); and
-    the TrainingArguments its AdamW section sets (see trainer_optimizer)."""
+    """The JSON for the Trainer, which fills the "auto" values its arguments set, but not the buckets and overlap_comm
+    (from the hardware) nor the optimizer (trainer_optimizer); and the TrainingArguments its AdamW section sets."""
     if not path:
         return None, {}
     config = zero_utils.choose_optimizer(zero_utils.read_config(path), device.type == "cuda")
@@ -82,12 +81,12 @@ def trainer_deepspeed_config(path, device, hidden_size, args):
 
 
 def trainer_optimizer(config, args, path):
-    """transformers hands an optimizer that the DeepSpeed config names all the parameters in one group
+    """When the DeepSpeed config names the optimizer, transformers gives it all the parameters as one group
     (integrations/deepspeed.py: DummyOptim(params=model_parameters)), so weight decay would fall on biases and norms
-    too, unlike the same run without DeepSpeed. An AdamW section is therefore taken out of the config and the Trainer
-    makes its own AdamW, with biases and norms undecayed; DeepSpeed runs it as a client optimizer (accelerate turns it
-    into DeepSpeedCPUAdam, groups kept, when the optimizer state is offloaded). Its betas and eps become the
-    TrainingArguments that set them; other optimizers stay DeepSpeed's."""
+    too, unlike the same run without DeepSpeed. So an AdamW section is taken out and the Trainer makes its own AdamW
+    (torch's fused one), biases and norms undecayed; DeepSpeed runs it as a client optimizer, and accelerate swaps in
+    DeepSpeedCPUAdam, groups kept, when the optimizer state is offloaded. The section's betas and eps become the
+    TrainingArguments that set them. Another optimizer stays DeepSpeed's (choose_optimizer fills its "auto")."""
     section = config.get("optimizer") or {}
     params = section.get("params", {})
     if section.get("type", "").lower() not in ("adam", "adamw") or params.get("adam_w_mode") is False:
