@@ -92,9 +92,9 @@ def model_states(params, hidden, precision, ranks, option):
             gpu = weights + b * largest
             cpu = states + 4 * mine + b * mine + b * largest
             return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
-        held = weights + states
-        return dict(after_backward=held + b * mine, after_step=held, in_step=held + b * mine + 4 * mine,
-                    gpu=held + b * mine, cpu=0)
+        held = weights + states  # in the step: the fp32 flat copy of the gradient partition, or before it the norm's
+        return dict(after_backward=held + b * mine, after_step=held, gpu=held + b * mine, cpu=0,
+                    in_step=held + b * mine + max(4 * mine, norm_copy_bytes(params, n)))
     # stage 3: everything partitioned: trainable 16-bit shards, a persistent 16-bit gradient partition, fp32 master
     # and moments; frozen shards; small parameters also held whole (gathered, persistent); one reduce bucket.
     # (LoRA adapters are made after the model's zero.Init: DeepSpeed partitions them in their own dtype, fp32.)
@@ -108,6 +108,15 @@ def model_states(params, hidden, precision, ranks, option):
         return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
     held = sharded + b * rbs + b * persistent
     return dict(after_backward=held, after_step=held, in_step=held + 4 * p_train - b * persistent, gpu=held, cpu=0)
+
+
+def norm_copy_bytes(params, ranks):
+    """ZeRO-1/2 compute the gradient norm (for clipping, and reported) over each rank's partition one gradient piece at
+    a time, each copied to fp64 first (runtime/zero/stage_1_and_2.py, get_grad_norm_direct; with offload in the
+    backward hook, on the GPU): 8 bytes for each element of the largest piece, up to a whole partition. At a large
+    vocabulary that is the embedding's: Llama-3-8B's 525M elements, 4.2 GB."""
+    trainable = [k for k, t in params if t]
+    return 8 * min(max(trainable, default=0), math.ceil(sum(trainable) / ranks))
 
 
 def activations(batch, seq, config, precision, checkpointing, loss_chunk):
@@ -144,6 +153,8 @@ def plan(args):
         transient = 0
         if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets (x2: overlap_comm on GPUs)
             transient = 2 * b * max(config.hidden_size ** 2, ZERO2_BUCKET)
+        if option == "ZeRO-2 + CPU offload":  # the norm's fp64 copy is made in the backward pass here
+            transient += norm_copy_bytes(params, ranks)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)
             transient = b * min(total, REUSE_DISTANCE)
         peak = max(states["gpu"] + transient + acts, states["in_step"] - states["cpu"])

@@ -4,7 +4,8 @@ figures for them. Run by tests/test_plan.py under `deepspeed --num_gpus 2` and a
     deepspeed --num_gpus 2 tests/memory_probe.py --models DIR [DIR ...] --out results.jsonl
 
 For each model, precision and option: the engine as zero-optimization.py builds it (the shipped ZeRO-3 config, its
-"auto" values filled), two optimizer steps, and memory.held_bytes after the second backward and after its step.
+"auto" values filled), two optimizer steps, and memory.held_bytes after the second backward and after its step; and
+the largest fp64 copy the second step made (ZeRO-1/2's gradient norm, plan.norm_copy_bytes).
 """
 import argparse
 import json
@@ -45,16 +46,38 @@ def probe(folder, precision, option, world_size):
     counts = {}
     for step in range(2):
         ids = torch.randint(0, config.vocab_size, (2, 16), device=engine.device)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        if step == 1:
-            counts["after_backward"] = memory.held_bytes(engine, optimizer)
-        engine.step()
+        with Fp64Copies() as copies:
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            if step == 1:
+                counts["after_backward"] = memory.held_bytes(engine, optimizer)
+            engine.step()
     counts["after_step"] = memory.held_bytes(engine, optimizer)
+    norm_copy = plan.norm_copy_bytes(plan.parameters(config), world_size) if stage in (1, 2) else None
     engine.destroy()
     del hf_ds_config
     return {"model": Path(folder).name, "precision": precision, "option": option, "ranks": world_size,
             "rank": dist.get_rank(), **{f"counted_{k}": v for k, v in counts.items()},
-            **{f"planned_{k}": planned[k] for k in counts}}
+            **{f"planned_{k}": planned[k] for k in counts}, "counted_norm_copy": copies.largest,
+            "planned_norm_copy": norm_copy}
+
+
+class Fp64Copies:
+    """The bytes of the largest tensor Tensor.to turns into float64 while active: DeepSpeed's gradient-norm copies."""
+
+    def __enter__(self):
+        self.to, self.largest = torch.Tensor.to, 0
+
+        def counting(tensor, *args, **kwargs):
+            out = self.to(tensor, *args, **kwargs)
+            if out.dtype == torch.float64 and tensor.dtype != torch.float64:
+                self.largest = max(self.largest, out.numel() * 8)
+            return out
+
+        torch.Tensor.to = counting
+        return self
+
+    def __exit__(self, *exc):
+        torch.Tensor.to = self.to
 
 
 def main():

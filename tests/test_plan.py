@@ -124,3 +124,15 @@ def test_planned_model_states_match_the_bytes_each_rank_holds(counted):
             worst = max(worst, error)
             assert error <= 0.10, (r, point)
     sys.stdout.write(f"planned vs counted model states: {100 * worst:.2f}% at most\n")
+
+
+def test_planned_norm_copy_is_the_largest_fp64_copy_a_step_makes(counted):
+    """ZeRO-1/2 copy each gradient piece of their partition to fp64 for the norm: the planner's figure is the largest
+    piece's (here the embedding, wholly in rank 0's partition), and no rank copies more."""
+    rows = [r for r in counted if r["planned_norm_copy"] is not None]
+    assert len(rows) == 2 * 3 * 2 * 3  # models x ZeRO-1/2/2+offload x precisions x ranks
+    for key in {(r["model"], r["precision"], r["option"], r["ranks"]) for r in rows}:
+        group = [r for r in rows if (r["model"], r["precision"], r["option"], r["ranks"]) == key]
+        assert max(r["counted_norm_copy"] for r in group) == group[0]["planned_norm_copy"], group
+    sizes = sorted({(r["model"], r["ranks"], r["counted_norm_copy"]) for r in rows})
+    sys.stdout.write(f"fp64 norm copies (model, ranks, bytes): {sizes}\n")
