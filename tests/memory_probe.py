@@ -33,8 +33,10 @@ OPTIONS = {"ZeRO-0": (0, None), "ZeRO-1": (1, None), "ZeRO-2": (2, None), "ZeRO-
 def probe(folder, precision, option, world_size):
     config = AutoConfig.from_pretrained(folder)
     # before the HfDeepSpeedConfig: with a ZeRO-3 one alive, transformers would partition even the meta model
-    planned = plan.model_states(plan.parameters(config), config.hidden_size, precision, world_size, option)
+    params = plan.parameters(config)
+    planned = plan.model_states(params, config.hidden_size, precision, world_size, option)
     stage, offload = OPTIONS[option]
+    norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) else None
     args = argparse.Namespace(deepspeed=str(zero_utils.DEFAULT_CONFIG), batch_size=2, grad_accum=1, max_grad_norm=1.0,
                               lr=1e-3, weight_decay=0.0, precision=precision, zero_stage=stage, offload=offload,
                               nvme_path="")
@@ -52,7 +54,6 @@ def probe(folder, precision, option, world_size):
                 counts["after_backward"] = memory.held_bytes(engine, optimizer)
             engine.step()
     counts["after_step"] = memory.held_bytes(engine, optimizer)
-    norm_copy = plan.norm_copy_bytes(plan.parameters(config), world_size) if stage in (1, 2) else None
     engine.destroy()
     del hf_ds_config
     return {"model": Path(folder).name, "precision": precision, "option": option, "ranks": world_size,
