@@ -28,7 +28,7 @@ OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096),
               "opt-30b": (7168, 48, 56, 28672), "opt-66b": (9216, 64, 72, 36864)}
 HEADROOM = 0.9  # of GPU memory usable by tensors: the CUDA context, allocator fragmentation and buffers take the rest
 REUSE_DISTANCE = 1e9  # ds_config_zero3.json's stage3_max_reuse_distance: gathered parameters kept this long
-ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket is max(hidden^2, this) elements (zero_utils), during backward only
+ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket is max(hidden^2, this) elements (finetune/zero.py), during backward only
 OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload",
            "ZeRO-3 + NVMe offload"]  # fastest first
 
@@ -130,7 +130,7 @@ def activations(batch, seq, config, precision, checkpointing, loss_chunk):
 
 
 def logits_bytes(tokens, vocab, precision, loss_chunk):
-    """The logits' bytes at their peak. In chunks (loss.py): one chunk's fp32 logits, overwritten by their gradient,
+    """The logits' bytes at their peak. In chunks (finetune/loss.py): one chunk's fp32 logits, overwritten by their gradient,
     and its 16-bit copy for the matmuls. All at once (transformers' loss): the logits, their fp32 copy in 16-bit runs,
     the log-softmax saved for backward and its gradient."""
     sixteen = precision not in ("fp32", "tf32")

@@ -19,12 +19,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-import data
-import demo
-import hardware
-import models
-import training
-import zero_utils
+from finetune import data, demo, hardware, models, training, zero
 
 
 def class_labels(train, evaluation, column, name):
@@ -72,11 +67,11 @@ def trainer_deepspeed_config(path, device, hidden_size, args):
     (from the hardware) nor the optimizer (trainer_optimizer); and the TrainingArguments its AdamW section sets."""
     if not path:
         return None, {}
-    config = zero_utils.choose_optimizer(zero_utils.read_config(path), device.type == "cuda")
-    zero = config.get("zero_optimization", {})
-    for key, value in zero_utils.tuned_values(zero.get("stage", 0), hidden_size, device.type == "cuda").items():
-        if zero.get(key) == "auto":
-            zero[key] = value
+    config = zero.choose_optimizer(zero.read_config(path), device.type == "cuda")
+    section = config.get("zero_optimization", {})
+    for key, value in zero.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda").items():
+        if section.get(key) == "auto":
+            section[key] = value
     return config, trainer_optimizer(config, args, path)
 
 
@@ -179,7 +174,7 @@ def parse_args(argv=None):
     p.add_argument("--verbose", action="store_true", help="the libraries' warnings and logs too")
     p.add_argument("--demo", action="store_true", help="tiny encoder + generated corpus shipped with the repo")
     # DeepSpeed: off without the flag; --deepspeed alone is ds_config_zero2.json
-    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(training.HERE / "ds_config_zero2.json"),
+    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(training.ROOT / "ds_config_zero2.json"),
                    metavar="CONFIG", help="DeepSpeed JSON config")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     args = p.parse_args(argv)
@@ -195,7 +190,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- setup
     # who this process is (srun's tasks too), and its GPU, made current before anything touches CUDA: the Trainer
     # would set it only once it builds its state, after DeepSpeed's process group and the model
-    rank, local_rank, world_size = zero_utils.launch_env(world_of_one=bool(args.deepspeed))
+    rank, local_rank, world_size = zero.launch_env(world_of_one=bool(args.deepspeed))
     device = hardware.first_device(local_rank)
     say = print if rank == 0 else (lambda *a, **k: None)
     training.quiet(args.verbose, rank)
@@ -288,4 +283,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    zero_utils.run_distributed(main)  # one line if a rank is lost; no teardown abort after a good run
+    zero.run_distributed(main)  # one line if a rank is lost; no teardown abort after a good run

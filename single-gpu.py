@@ -10,17 +10,11 @@ single-gpu.py and zero-optimization.py differ only by the edits DeepSpeed ZeRO n
 import argparse
 import math
 
-
 import torch
 from tqdm import tqdm
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
-import data
-import demo
-import hardware
-import loss
-import models
-import training
+from finetune import data, demo, hardware, loss, models, training
 
 
 def parse_args(argv=None):

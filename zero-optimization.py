@@ -10,7 +10,6 @@ single-gpu.py and zero-optimization.py differ only by the edits DeepSpeed ZeRO n
 import argparse
 import math
 
-
 import deepspeed  # ZeRO
 import torch
 import torch.distributed as dist  # ZeRO
@@ -18,13 +17,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
-import data
-import demo
-import hardware
-import loss
-import models
-import training
-import zero_utils  # ZeRO
+from finetune import data, demo, hardware, loss, models, training
+from finetune import zero  # ZeRO
 
 
 def parse_args(argv=None):
@@ -77,8 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--demo", action="store_true", help="tiny model + generated questions about reviews (CPU ok)")
     # ZeRO: the DeepSpeed config file, and overrides of what matters most in it (To-Do: stage 2 if the model fits,
     # stage 3 if not, then --offload cpu; more in ds_config_zero*.json)
-    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(zero_utils.DEFAULT_CONFIG),
-                   default=str(zero_utils.DEFAULT_CONFIG), metavar="CONFIG", help="DeepSpeed JSON (default: ZeRO-3's)")
+    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(zero.DEFAULT_CONFIG),
+                   default=str(zero.DEFAULT_CONFIG), metavar="CONFIG", help="DeepSpeed JSON (default: ZeRO-3's)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], help="optimizer (and, stage 3, parameter) offload")
     p.add_argument("--nvme-path", default="/local_nvme", help="folder on a fast local disk for --offload nvme")
@@ -95,11 +89,11 @@ def main(argv=None):
     args = parse_args(argv)
 
     # -------------------------------------------------------------------------------- setup
-    rank, local_rank, world_size = zero_utils.launch_env()  # ZeRO: from deepspeed, torchrun, srun; or a world of one
+    rank, local_rank, world_size = zero.launch_env()  # ZeRO: from deepspeed, torchrun, srun; or a world of one
     device = hardware.first_device(local_rank)  # this process's GPU, made current before anything touches CUDA
-    deepspeed.init_distributed(timeout=zero_utils.collective_timeout(args.dist_timeout))  # ZeRO: nccl or gloo
     say = tqdm.write if rank == 0 else (lambda *a, **k: None)
     training.quiet(args.verbose, rank)
+    deepspeed.init_distributed(timeout=zero.collective_timeout(args.dist_timeout))  # ZeRO: nccl or gloo
     args.precision = hardware.choose_precision(args.precision, hardware.facts(device))  # To-Do: --precision
     hardware.set_matmul_precision(args.precision)
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
@@ -121,9 +115,9 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- model and optimizer
     # ZeRO: fill the JSON's "auto" values from the flags; the engine builds the optimizer it names
-    ds_config = zero_utils.deepspeed_config(args, world_size, total_steps, warmup_steps, config.hidden_size)
+    ds_config = zero.deepspeed_config(args, world_size, total_steps, warmup_steps, config.hidden_size)
     # ZeRO: the newest checkpoint, or its universal form when another number of ranks wrote it
-    folder = zero_utils.resume_folder(out, args, world_size, ds_config, rank, say) if args.resume else None
+    folder = zero.resume_folder(out, args, world_size, ds_config, rank, say) if args.resume else None
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # ZeRO-3: from_pretrained loads each rank's shard, never a full copy
     model = models.load_causal_lm(args, config, device, **remote)  # fp32 master weights, the fastest attention
     model = models.prepare_model(model, args)  # LoRA adapters (--lora-rank), gradient checkpointing, chunked loss
@@ -138,7 +132,7 @@ def main(argv=None):
     stats = training.RunStats(config, model, args, device, reduce=dist.all_reduce)
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards
-        zero_utils.after_load(model, folder, rank, args, state["stats"]["step"], device)  # ZeRO: RNG per rank, ...
+        zero.after_load(model, folder, rank, args, state["stats"]["step"], device)  # ZeRO: RNG per rank, ...
         stats.restore(state["stats"])
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
@@ -191,7 +185,7 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- save
     final = out / "final"
-    state = zero_utils.gathered_state_dict(model)  # ZeRO: a collective: the shards, whole, on rank 0
+    state = zero.gathered_state_dict(model)  # ZeRO: a collective: the shards, whole, on rank 0
     del hf_ds_config  # ZeRO: from here on transformers builds whole models again (rank 0 merges LoRA on its own)
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model.module, tokenizer, final, state)  # ZeRO: the engine wraps the model
@@ -208,4 +202,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    zero_utils.run_distributed(main)  # ZeRO: one line, not a traceback from every rank, if a rank is lost
+    zero.run_distributed(main)  # ZeRO: one line, not a traceback from every rank, if a rank is lost

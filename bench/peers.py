@@ -23,9 +23,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerC
                           default_data_collator)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import data  # noqa: E402
-import training  # noqa: E402
-import zero_utils  # noqa: E402
+from finetune import data, training, zero  # noqa: E402
 
 
 # ZeRO-2 as transformers' DeepSpeed integration documents it (docs: "ZeRO-2 example"), "auto" filled by the Trainer
@@ -90,7 +88,7 @@ def main():
     args = p.parse_args()
     if args.deepspeed:
         import deepspeed
-        zero_utils.launch_env()
+        zero.launch_env()
         deepspeed.init_distributed()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -102,7 +100,7 @@ def main():
     examples = (examples * (needed // max(1, len(examples)) + 1))[:needed]
     cuda = torch.cuda.is_available()
     # the same optimizer as ours (torch's AdamW, nothing compiled): the comparison is of the recipes
-    config = zero_utils.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda) if args.deepspeed else None
+    config = zero.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda) if args.deepspeed else None
     training_args = TrainingArguments(
         output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
         max_steps=args.steps, learning_rate=5e-5, report_to="none", save_strategy="no", logging_steps=10**9,
@@ -124,7 +122,7 @@ def main():
             "steady": steady, "train_tokens": useful, "losses": [out.training_loss], "world_size": world_size,
             "global_batch_size": args.batch_size * world_size, "steps": args.steps,
             "peak_memory_bytes": training.peak_memory_bytes(torch.device("cuda" if cuda else "cpu"))})
-    zero_utils.remove_shm_buffer()
+    zero.remove_shm_buffer()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def corpus(path, n):
     """n generated reviews (demo.py's), one per row of a .csv file with a `text` column."""
     import csv
 
-    import demo
+    from finetune import demo
     if path.exists():
         return path
     rng = random.Random(n)
@@ -39,8 +39,7 @@ def worker(dataset, local_rank):
     import numpy as np
     import torch
 
-    import data
-    import demo
+    from finetune import data, demo
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo.assets()["lm"])

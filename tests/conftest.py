@@ -22,7 +22,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "Setting accelerator to CPU
 # the prepared (tokenized, packed) data of this session's runs, apart from the user's cache
 os.environ["DATA_CACHE"] = tempfile.mkdtemp(prefix="data-cache-")
 
-import demo  # noqa: E402
+from finetune import demo  # noqa: E402
 
 
 def load_script(name):

@@ -21,10 +21,8 @@ from transformers.integrations import HfDeepSpeedConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import memory  # noqa: E402
 import plan  # noqa: E402
-import training  # noqa: E402
-import zero_utils  # noqa: E402
+from finetune import memory, training, zero  # noqa: E402
 
 OPTIONS = {"ZeRO-0": (0, None), "ZeRO-1": (1, None), "ZeRO-2": (2, None), "ZeRO-3": (3, None),
            "ZeRO-2 + CPU offload": (2, "cpu"), "ZeRO-3 + CPU offload": (3, "cpu")}
@@ -37,10 +35,10 @@ def probe(folder, precision, option, world_size):
     planned = plan.model_states(params, config.hidden_size, precision, world_size, option)
     stage, offload = OPTIONS[option]
     norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) else None
-    args = argparse.Namespace(deepspeed=str(zero_utils.DEFAULT_CONFIG), batch_size=2, grad_accum=1, max_grad_norm=1.0,
+    args = argparse.Namespace(deepspeed=str(zero.DEFAULT_CONFIG), batch_size=2, grad_accum=1, max_grad_norm=1.0,
                               lr=1e-3, weight_decay=0.0, precision=precision, zero_stage=stage, offload=offload,
                               nvme_path="")
-    ds_config = zero_utils.deepspeed_config(args, world_size, 10, 1, config.hidden_size)
+    ds_config = zero.deepspeed_config(args, world_size, 10, 1, config.hidden_size)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # alive while the model loads, as in the script
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config,
@@ -87,7 +85,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
-    zero_utils.launch_env()
+    zero.launch_env()
     deepspeed.init_distributed()
     rows = [probe(m, precision, option, dist.get_world_size())
             for m in args.models for precision in ("fp32", "bf16") for option in OPTIONS]
@@ -95,9 +93,9 @@ def main():
     dist.all_gather_object(every, rows)
     if dist.get_rank() == 0:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for ranks in every for r in ranks))
-    zero_utils.remove_shm_buffer()
+    zero.remove_shm_buffer()
     dist.destroy_process_group()
-    os._exit(0)  # as the scripts do on CPUs (see zero_utils.run_distributed)
+    os._exit(0)  # as the scripts do on CPUs (see zero.run_distributed)
 
 
 if __name__ == "__main__":

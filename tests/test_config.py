@@ -4,12 +4,11 @@ import json
 
 import pytest
 
-import training
-import zero_utils
+from finetune import training, zero
 from conftest import load_script
 
-ZERO3 = str(training.HERE / "ds_config_zero3.json")
-ZERO2 = str(training.HERE / "ds_config_zero2.json")
+ZERO3 = str(training.ROOT / "ds_config_zero3.json")
+ZERO2 = str(training.ROOT / "ds_config_zero2.json")
 
 
 def ds_args(path=ZERO3, **kw):
@@ -19,7 +18,7 @@ def ds_args(path=ZERO3, **kw):
 
 
 def test_auto_values_come_from_the_flags():
-    config = zero_utils.deepspeed_config(ds_args(), 2, 100, 5, 64)
+    config = zero.deepspeed_config(ds_args(), 2, 100, 5, 64)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (4, 2, 16)
     assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
@@ -42,30 +41,30 @@ def test_auto_values_come_from_the_flags():
 def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect):
     config = json.loads(open(ZERO2).read())
     config["zero_optimization"]["offload_optimizer"]["device"] = offload
-    params = zero_utils.choose_optimizer(config, cuda)["optimizer"]["params"]
+    params = zero.choose_optimizer(config, cuda)["optimizer"]["params"]
     assert {k: params[k] for k in ("torch_adam", "fused") if k in params} == expect
 
 
 def test_overrides_and_offload():
-    zero = zero_utils.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, 8)["zero_optimization"]
-    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
-    config = zero_utils.deepspeed_config(ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, 8)
+    section = zero.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, 8)["zero_optimization"]
+    assert section["offload_optimizer"]["device"] == "cpu" and section["offload_param"]["device"] == "cpu"
+    config = zero.deepspeed_config(ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, 8)
     assert config["zero_optimization"]["stage"] == 2 and "offload_param" not in config["zero_optimization"]
-    nvme = zero_utils.deepspeed_config(ds_args(offload="nvme"), 1, 10, 1, 8)["zero_optimization"]
+    nvme = zero.deepspeed_config(ds_args(offload="nvme"), 1, 10, 1, 8)["zero_optimization"]
     assert nvme["offload_optimizer"]["nvme_path"] == "/nvme" and nvme["offload_param"]["device"] == "nvme"
 
 
 def test_nvme_below_stage_3_is_one_line():
     """DeepSpeed would quietly offload to CPU memory instead, ignoring --nvme-path."""
     with pytest.raises(SystemExit, match="error: --offload nvme needs ZeRO stage 3 \\(at stage 2"):
-        zero_utils.deepspeed_config(ds_args(zero_stage=2, offload="nvme"), 1, 10, 1, 8)
+        zero.deepspeed_config(ds_args(zero_stage=2, offload="nvme"), 1, 10, 1, 8)
 
 
 def test_a_scheduler_block_is_filled(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}))
-    config = zero_utils.deepspeed_config(ds_args(str(path)), 1, 100, 5, 8)
+    config = zero.deepspeed_config(ds_args(str(path)), 1, 100, 5, 8)
     assert config["scheduler"]["params"] == {
         "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
 
@@ -82,16 +81,16 @@ def test_errors_name_both_sides(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(SystemExit, match="error: ") as e:
-        zero_utils.deepspeed_config(ds_args(str(path)), 2, 100, 5, 8)
+        zero.deepspeed_config(ds_args(str(path)), 2, 100, 5, 8)
     assert message in str(e.value)
 
 
 def test_bad_files(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
-        zero_utils.deepspeed_config(ds_args(str(tmp_path / "nope.json")), 1, 1, 1, 8)
+        zero.deepspeed_config(ds_args(str(tmp_path / "nope.json")), 1, 1, 1, 8)
     (tmp_path / "bad.json").write_text("{ not json")
     with pytest.raises(SystemExit, match="not valid JSON"):
-        zero_utils.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, 8)
+        zero.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, 8)
 
 
 @pytest.mark.parametrize("path", [ZERO2, ZERO3])
@@ -114,11 +113,11 @@ def test_the_trainer_leaves_no_auto_value_unfilled(path, device, overlap):
                            bf16=device == "cuda", bf16_full_eval=False, get_warmup_steps=lambda n: 0)
     hf.trainer_config_process(args)
     hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=768)), 100)
-    assert [k for k, v in zero_utils._walk(hf.config) if v == "auto"] == []
-    zero = hf.config["zero_optimization"]
-    assert zero["overlap_comm"] is overlap
-    bucket = 768 * 768 if zero["stage"] == 3 else int(2.5e7)
-    assert (zero["reduce_bucket_size"], zero.get("allgather_bucket_size", bucket)) == (bucket, bucket)
+    assert [k for k, v in zero._walk(hf.config) if v == "auto"] == []
+    section = hf.config["zero_optimization"]
+    assert section["overlap_comm"] is overlap
+    bucket = 768 * 768 if section["stage"] == 3 else int(2.5e7)
+    assert (section["reduce_bucket_size"], section.get("allgather_bucket_size", bucket)) == (bucket, bucket)
 
 
 def test_the_trainer_makes_the_adamw_a_config_names():

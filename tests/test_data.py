@@ -9,9 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
 
-import data
-import loss
-import training
+from finetune import data, loss, training
 
 
 def data_args(dataset, **kw):

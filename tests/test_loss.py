@@ -5,8 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
 
-import data
-import loss
+from finetune import data, loss
 from test_data import data_args
 
 ARCHITECTURES = {

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import training
+from finetune import training
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
                       load_script, results, weights)
 from test_single import crash_after_first_checkpoint

@@ -136,7 +136,7 @@ def test_a_run_that_died_after_its_last_checkpoint_finishes_on_resume(tmp_path, 
 def test_fp16_steps_the_schedule_only_when_the_update_happened(tmp_path, tiny, monkeypatch):
     """A loss scale so large that the first gradients overflow: those updates are skipped and, as in DeepSpeed, so
     is the LR schedule; the first real update then gets the first step's learning rate."""
-    import training
+    from finetune import training
     monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 20)  # the first gradients overflow fp16
     out = tmp_path / "run"
     single.main(base_args(tiny, out, **{"--precision": "fp16", "--max-steps": 6, "--save-every": 6,

@@ -1,6 +1,7 @@
 """What single-gpu.py and zero-optimization.py share and is not their lesson: checks, quiet output, the run folder
 and its checkpoints, random state, progress and throughput, evaluation, results."""
 import contextlib
+import io
 import json
 import logging
 import math
@@ -8,16 +9,16 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-import hardware
-import loss
+from . import hardware, loss
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts, the configs, .demo/
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 # fp16's dynamic loss scale, the same as the ds_config files' "fp16" block: start at 2^16, halve at an overflow (and
 # skip that step), double after 1000 steps without one. DeepSpeed's hysteresis is 1 there: torch has none.
@@ -44,6 +45,19 @@ def quiet(verbose, rank):
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+    ds_comm = sys.modules.get("deepspeed.comm.torch")
+    if ds_comm is not None and not getattr(ds_comm.build_shm_op, "quiet", False):
+        ds_comm.build_shm_op = _without_print(ds_comm.build_shm_op)
+
+
+def _without_print(build):
+    """On CPUs DeepSpeed loads its shared-memory all-reduce in every process and prints that it did (comm/torch.py,
+    build_shm_op): the same line from every rank of every launch. Its output is not ours to show."""
+    def quiet_build():
+        with contextlib.redirect_stdout(io.StringIO()):
+            return build()
+    quiet_build.quiet = True
+    return quiet_build
 
 
 def check_args(args, max_positions):
@@ -148,7 +162,7 @@ def publish_checkpoint(root, tag, keep):
 def run_record(step, args, global_batch, world_size, model):
     """run.json beside each checkpoint: what a resume checks, the run's arguments and the code's version."""
     try:
-        code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
+        code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         code = None

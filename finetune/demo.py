@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-DEMO_DIR = HERE / ".demo"  # built on first use, ignored by git
+ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts, the configs, .demo/
+DEMO_DIR = ROOT / ".demo"  # built on first use, ignored by git
 
 
 _DISHES = "pasta ramen tacos burger curry salad pizza soup sushi dumplings steak pancakes noodles sandwich".split()
@@ -115,7 +115,7 @@ def make_demo_tokenizer(texts, vocab_size=1000):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     special = ["<s>", "<pad>", "</s>", "<unk>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>",
@@ -132,8 +132,22 @@ def make_demo_lm(path, tokenizer, hidden=128, layers=2, heads=4, positions=256, 
                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    _save_quietly(AutoModelForCausalLM.from_config(config), path)
     tokenizer.save_pretrained(path)
+
+
+def _save_quietly(model, path):
+    """save_pretrained without its "Writing model shards" bar (the demo builds its models before the scripts quiet
+    the libraries)."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if shown:
+            logging.enable_progress_bar()
 
 
 def make_demo_wordpiece_tokenizer(texts, vocab_size=1000):
@@ -146,7 +160,8 @@ def make_demo_wordpiece_tokenizer(texts, vocab_size=1000):
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special))
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special,
+                                                             show_progress=False))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
@@ -163,7 +178,7 @@ def make_demo_encoder(path, tokenizer, dim=64, layers=2, heads=2, positions=256,
                               hidden_dim=4 * dim, max_position_embeddings=positions, dropout=0.0,
                               attention_dropout=0.0, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    AutoModel.from_config(config).save_pretrained(path)
+    _save_quietly(AutoModel.from_config(config), path)
     tokenizer.save_pretrained(path)
 
 
@@ -189,11 +204,14 @@ def assets(root=DEMO_DIR):
             "encoder": root / "distilbert-demo"}
 
 
+LR = 3e-3  # high, so that a model trained from scratch learns in a minute
+
+
 def defaults():
     """--demo: questions about generated reviews, answered by a tiny model trained from scratch, with settings that
     train in about a minute on a CPU."""
     paths = assets()
-    return {"dataset": str(paths["questions"]), "model": str(paths["lm"]), "block_size": 128, "lr": 3e-3,
+    return {"dataset": str(paths["questions"]), "model": str(paths["lm"]), "block_size": 128, "lr": LR,
             "epochs": 3, "log_every": 50, "prompt": held_out_question()[0]}
 
 
@@ -210,14 +228,16 @@ def summary(single, zero, classification):
             (("single-gpu.py", single), ("zero-optimization.py", zero))]
     print("\n--- demo summary " + "-" * 60)
     for name, r in runs:
-        print(f"{name:<22}{r['world_size']} rank(s)  loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}  eval loss "
-              f"{r['eval_loss']:.3f} (answers only)  {r['tokens_per_sec']:,.0f} tok/s")
+        print(f"{name:<22}{r['world_size']} rank(s)  loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.4f}  eval loss "
+              f"{r['eval_loss']:.4f} (answers only)  {r['tokens_per_sec']:,.0f} tok/s")
     a, b = (np.array(r["losses"]) for _, r in runs)
     n = min(len(a), len(b))
-    rel = np.abs(a[:5] - b[:5]) / np.abs(a[:5])
-    print(f"same global batches: the step losses agree to {rel.max():.0e} (relative) over the first 5 steps, and "
-          f"are at most {np.abs(a[:n] - b[:n]).max():.0e} apart over all {n} (rounding, grown by Adam at the demo's "
-          f"high lr)")
+    rel = np.abs(a[:n] - b[:n]) / np.abs(a[:n])
+    # where the two runs part: fp32 rounding (summation order differs over ranks), grown by the demo's high lr
+    same = int(np.argmax(rel > 1e-6)) if (rel > 1e-6).any() else n
+    print(f"same global batches: the first {same} step losses agree to {rel[:max(same, 1)].max():.0e} (relative), "
+          f"fp32 rounding; from there the demo's high learning rate ({LR:g}) grows that rounding as the "
+          f"loss falls toward 0, and both runs end at the eval losses above")
     question, expected = held_out_question()
     print(f"held-out question: {question.splitlines()[-1]!r} about a review it never saw; expected {expected!r}")
     for name, r in runs:

@@ -4,9 +4,8 @@ from pathlib import Path
 
 import torch
 
-import hardware
-import loss
-from training import fail
+from . import hardware, loss
+from .training import fail
 
 
 def load_pretrained(loader, name, **kwargs):
@@ -129,7 +128,7 @@ def sample(model, tokenizer, prompt, fmt, device, say, rank):
 def held_bytes(model, optimizer):
     """Bytes of model state this rank holds, for each rank: parameters (under ZeRO-3 their shards), gradients and
     the optimizer's state and buffers, each storage counted once. plan.py plans this figure."""
-    import memory
+    from . import memory
 
     held = memory.held_bytes(model, optimizer)
     if torch.distributed.is_initialized():

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 
-import hardware
-import training
-from training import ADAM_BETAS, ADAM_EPS, FP16_SCALER, fail
+from . import hardware, training
+from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER, fail
 
-DEFAULT_CONFIG = training.HERE / "ds_config_zero3.json"
+DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
 
 
 def launch_env(environ=None, world_of_one=True):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training import fail
+from .training import fail
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
