@@ -21,6 +21,8 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
+from finetune.zero import swap_buffer_elements
+
 GiB = 2**30
 # Published OPT shapes (hidden, layers, heads, FFN), so the planner works offline for these ids.
 OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096), "opt-1.3b": (2048, 24, 32, 8192),
@@ -28,6 +30,7 @@ OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096),
               "opt-30b": (7168, 48, 56, 28672), "opt-66b": (9216, 64, 72, 36864)}
 HEADROOM = 0.9  # of GPU memory usable by tensors: the CUDA context, allocator fragmentation and buffers take the rest
 REUSE_DISTANCE = 1e9  # ds_config_zero3.json's stage3_max_reuse_distance: gathered parameters kept this long
+SUB_GROUP = MAX_IN_CPU = 10**9  # ZeRO-3's sub_group_size, offload_param.max_in_cpu (DeepSpeed's defaults)
 ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket is max(hidden^2, this) elements (finetune/zero.py), during backward only
 OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload",
            "ZeRO-3 + NVMe offload"]  # fastest first
@@ -97,17 +100,27 @@ def model_states(params, hidden, precision, ranks, option):
                     in_step=held + b * mine + max(4 * mine, norm_copy_bytes(params, n)))
     # stage 3: everything partitioned: trainable 16-bit shards, a persistent 16-bit gradient partition, fp32 master
     # and moments; frozen shards; small parameters also held whole (gathered, persistent); one reduce bucket.
-    # (LoRA adapters are made after the model's zero.Init: DeepSpeed partitions them in their own dtype, fp32.)
-    lora = frozen > 0
-    bt = 4 if lora else b
+    # (LoRA adapters, made after the model's zero.Init, are cast to the run's 16 bits before the engine takes them.)
     p_train, p_frozen = shard(lambda t: t), shard(lambda t: not t)
-    sharded = (2 * bt + 12) * p_train + b * p_frozen
+    sharded = (2 * b + 12) * p_train + b * p_frozen
     if "offload" in option:  # parameters and optimizer state on the CPU; the bucket and small parameters stay
         gpu = b * rbs + b * persistent
-        cpu = (16 + 2 * bt) * p_train + b * p_frozen if "CPU" in option else 0
+        cpu = (16 + 2 * b) * p_train + b * p_frozen if "CPU" in option else nvme_buffers(params, n, b)
         return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
     held = sharded + b * rbs + b * persistent
     return dict(after_backward=held, after_step=held, in_step=held + 4 * p_train - b * persistent, gpu=held, cpu=0)
+
+
+def nvme_buffers(params, ranks, b):
+    """CPU bytes of ZeRO-3 + NVMe offload (stage3.py, runtime/swap_tensor/): the trainable 16-bit shards, up to
+    offload_param.max_in_cpu elements (1e9), stay in CPU memory with their 16-bit gradient partition; the optimizer
+    swaps its fp32 state through 4 pinned buffers of the largest sub-group (parameters taken in order until they pass
+    sub_group_size, 1e9 elements; at most a rank's trainable partition), and the parameters through 5 pinned buffers
+    of the largest shard (offload_param.buffer_count; finetune/zero.py sizes them). Frozen weights live on the NVMe."""
+    largest = max(k for k, _ in params)
+    p_train = sum(math.ceil(k / ranks) for k, t in params if t)
+    sub_group = min(p_train, SUB_GROUP + math.ceil(largest / ranks))
+    return b * min(p_train, MAX_IN_CPU) + b * p_train + 4 * 4 * sub_group + 5 * b * swap_buffer_elements(largest, ranks, b)
 
 
 def norm_copy_bytes(params, ranks):

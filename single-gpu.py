@@ -102,6 +102,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- model and optimizer
     folder = training.resume_folder(out, args, world_size)[0] if args.resume else None  # the newest checkpoint
     model = models.load_causal_lm(args, config, device, **remote)  # fp32 master weights, the fastest attention
+    config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
     model = models.prepare_model(model, args)  # LoRA adapters (--lora-rank), gradient checkpointing, chunked loss
     model.to(device)
     optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.lr,
@@ -170,19 +171,16 @@ def main(argv=None):
                                    world_size)
     eval_loss = (sums[0] / sums[1]).item()
     say(f"eval loss {eval_loss:.4f} | perplexity {training.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
+    sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
 
-    # -------------------------------------------------------------------------------- save
+    # -------------------------------------------------------------------------------- save (rank 0 writes alone)
     final = out / "final"
+    results = {**stats.results(eval_loss, world_size, global_batch, held), "sample": sample}
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model, tokenizer, final)
-    results = stats.results(eval_loss, world_size, global_batch, held)
-    if rank == 0:
         training.write_json(out / "results.json", results)
         training.plot_losses(stats.losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
-    results["sample"] = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # never fails
-    if rank == 0 and results["sample"] is not None:
-        training.write_json(out / "results.json", results)
     return results
 
 

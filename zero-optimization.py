@@ -76,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], help="optimizer (and, stage 3, parameter) offload")
     p.add_argument("--nvme-path", default="/local_nvme", help="folder on a fast local disk for --offload nvme")
-    p.add_argument("--dist-timeout", type=int, default=300, help="seconds a collective waits for a lost rank")
+    p.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective waits (a save, a lost rank)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
@@ -115,11 +115,12 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- model and optimizer
     # ZeRO: fill the JSON's "auto" values from the flags; the engine builds the optimizer it names
-    ds_config = zero.deepspeed_config(args, world_size, total_steps, warmup_steps, config.hidden_size)
+    ds_config = zero.deepspeed_config(args, world_size, total_steps, warmup_steps, config)
     # ZeRO: the newest checkpoint, or its universal form when another number of ranks wrote it
     folder = zero.resume_folder(out, args, world_size, ds_config, rank, say) if args.resume else None
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # ZeRO-3: from_pretrained loads each rank's shard, never a full copy
     model = models.load_causal_lm(args, config, device, **remote)  # fp32 master weights, the fastest attention
+    config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
     model = models.prepare_model(model, args)  # LoRA adapters (--lora-rank), gradient checkpointing, chunked loss
     schedule = lambda opt: get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
@@ -182,21 +183,18 @@ def main(argv=None):
     dist.all_reduce(sums)  # ZeRO: each rank evaluated its share
     eval_loss = (sums[0] / sums[1]).item()
     say(f"eval loss {eval_loss:.4f} | perplexity {training.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
+    sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
 
-    # -------------------------------------------------------------------------------- save
+    # -------------------------------------------------------------------------------- save (rank 0 writes alone)
     final = out / "final"
-    state = zero.gathered_state_dict(model)  # ZeRO: a collective: the shards, whole, on rank 0
+    state = zero.gathered_state_dict(model)  # ZeRO: the last collective: the shards, whole, on rank 0
     del hf_ds_config  # ZeRO: from here on transformers builds whole models again (rank 0 merges LoRA on its own)
+    results = {**stats.results(eval_loss, world_size, global_batch, held), "sample": sample}
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model.module, tokenizer, final, state)  # ZeRO: the engine wraps the model
-    results = stats.results(eval_loss, world_size, global_batch, held)
-    if rank == 0:
         training.write_json(out / "results.json", results)
         training.plot_losses(stats.losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
-    results["sample"] = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # never fails
-    if rank == 0 and results["sample"] is not None:
-        training.write_json(out / "results.json", results)
     dist.destroy_process_group()  # ZeRO: leave the group cleanly
     return results
 

@@ -27,6 +27,15 @@ def attach(model, chunk_tokens):
     if any(getattr(inner.config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
         chunk_tokens = 0
     original = inner.forward
+    head = inner.get_output_embeddings()
+    if chunk_tokens and hasattr(head.weight, "ds_id"):
+        # ZeRO-3 gathers a module's weights around its own forward; the loss below reads the head's weight outside
+        # it, and under --compile DeepSpeed's gather-on-access does not run while dynamo traces: name the head's
+        # parameters as the model's own, so they are gathered around the model's forward (parameter_offload.py)
+        import deepspeed
+        for p in (head.weight, head.bias):
+            if p is not None:
+                deepspeed.zero.register_external_parameter(inner, p)
 
     def forward(self, *args, loss_targets=None, **kwargs):
         if loss_targets is None:  # generate(), or any other caller: the model as it was
@@ -55,13 +64,17 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk, dtype, with_grads):
+        # only the gradients autograd will ask for: a frozen head (LoRA) needs none, and its weight's gradient would
+        # be a third of the loss's matmuls and a vocabulary x hidden buffer
+        need_hidden, need_weight, need_bias = (with_grads and needed for needed in ctx.needs_input_grad[:3])
+        with_grads = need_hidden or need_weight or need_bias
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, w = hidden.to(dtype), weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_hidden = torch.empty_like(h_all) if with_grads else None
-            grad_weight = torch.zeros_like(weight) if with_grads else None
-            grad_bias = torch.zeros_like(bias) if with_grads and bias is not None else None
+            grad_hidden = torch.empty_like(h_all) if need_hidden else None
+            grad_weight = torch.zeros_like(weight) if need_weight else None
+            grad_bias = torch.zeros_like(bias) if need_bias else None
             for start in range(0, len(targets), chunk):
                 h, y = h_all[start:start + chunk], targets[start:start + chunk]
                 logits = (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
@@ -73,10 +86,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                     logits.div_(sums[:, None])
                     logits[torch.arange(len(y), device=y.device), y] -= 1
                     g = logits.to(dtype)
-                    grad_hidden[start:start + chunk] = g @ w
-                    if grad_weight.dtype == dtype:
+                    if grad_hidden is not None:
+                        grad_hidden[start:start + chunk] = g @ w
+                    if grad_weight is not None and grad_weight.dtype == dtype:
                         grad_weight.addmm_(g.t(), h)
-                    else:  # autocast over fp32 weights: the product in 16 bits, the sum in fp32
+                    elif grad_weight is not None:  # autocast over fp32 weights: the product in 16 bits, the sum in fp32
                         grad_weight += g.t() @ h
                     if grad_bias is not None:
                         grad_bias += g.sum(0)

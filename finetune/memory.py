@@ -39,6 +39,7 @@ def held_bytes(model, optimizer):
             if obj.is_leaf and obj.grad is not None:
                 stack.append(obj.grad)
             stack += [getattr(obj, a) for a in _TENSOR_ATTRIBUTES if isinstance(getattr(obj, a, None), torch.Tensor)]
+            stack.append(getattr(obj, "nvme_swapper", None))  # NVMe offload: its pinned swap buffers
         elif isinstance(obj, torch.nn.Module):
             stack += [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values()]
         elif isinstance(obj, dict):

@@ -64,9 +64,14 @@ def prepare_model(model, args):
             model = get_peft_model(model, config)
         except ValueError as e:
             fail(f"--lora-targets {args.lora_targets}: {str(e).splitlines()[0][:200]}; name linear layers of the model")
-        if args.precision in hardware.AUTOCAST_DTYPES:  # frozen: no fp32 master needed
+        if args.precision in hardware.AUTOCAST_DTYPES:
+            # frozen weights: no fp32 master needed. Under ZeRO-3 the adapters too: DeepSpeed skips its 16-bit cast
+            # for a model made under zero.Init and takes the run's dtype from the first trainable parameter
+            # (stage3.py), so fp32 adapters would train in fp32, and in fp16 with a loss scale fixed at 1 (no overflow
+            # check). The engine keeps fp32 masters of them; under ZeRO-1/2 it casts them itself.
+            zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
             for p in model.parameters():
-                if not p.requires_grad:
+                if not p.requires_grad or zero3:
                     p.data = p.data.to(hardware.AUTOCAST_DTYPES[args.precision])
     if args.gradient_checkpointing:
         # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
@@ -87,20 +92,25 @@ def save_final(model, tokenizer, folder, state_dict=None):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    state = {k: v.detach().to("cpu", copy=True) for k, v in (state_dict or model.state_dict()).items()}
+    # The merge below adds the adapters into the base weights in place: into a copy on the CPU where the tensors are
+    # on a GPU, into the gathered ones as they are (ZeRO-3: already rank 0's host memory, never copied twice), and
+    # into copies of the training model's own weights only where it trains on the CPU.
+    live = {p.data_ptr() for p in model.parameters()}
+    state = {k: v.detach().to("cpu") for k, v in (state_dict or model.state_dict()).items()}
+    state = {k: v.clone() if v.data_ptr() in live else v for k, v in state.items()}
     model.save_pretrained(folder / "adapter", state_dict=state)  # peft keeps the adapter's tensors, full size
-    with torch.device("meta"):  # a copy on the CPU from the gathered tensors: the training model is left as it is
-        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
-                              model.peft_config["default"])
-    copy.load_state_dict(state, assign=True, strict=False)
-    copy.merge_and_unload().save_pretrained(folder)
+    with torch.device("meta"):  # a model without storage, given the tensors above
+        merged = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
+                                model.peft_config["default"])
+    merged.load_state_dict(state, assign=True, strict=False)
+    merged.merge_and_unload().save_pretrained(folder)
 
 
 def sample(model, tokenizer, prompt, fmt, device, say, rank):
     """The trained model's answer to --prompt: a chat message for chat data, the text as it is otherwise, with the
     tokenizer's own special tokens. With the model in memory: under ZeRO-3 every rank takes part (its layers are
-    gathered one at a time, as in training), so no rank ever holds a whole copy. The run's outputs are saved by
-    then: a failure here is a line, never a failed run."""
+    gathered one at a time, as in training), so no rank ever holds a whole copy: it runs before rank 0 writes the
+    outputs, so no rank waits on a collective while rank 0 saves. A failure here is a line, never a failed run."""
     engine = model if hasattr(model, "zero_optimization_partition_weights") else None
     everyone = engine is not None and engine.zero_optimization_partition_weights()
     if not prompt or (rank != 0 and not everyone):

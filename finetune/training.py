@@ -210,7 +210,7 @@ class RunStats:
     out of the steady-state figures), FLOPs and MFU. `reduce` adds the ranks' shares of each step's loss."""
 
     def __init__(self, config, model, args, device, reduce=None):
-        self.config, self.args, self.device, self.reduce = config, args, device, reduce
+        self.config, self.args, self.device, self.reduce, self.model = config, args, device, reduce, model
         inner = getattr(model, "module", model)
         numel = lambda p: getattr(p, "ds_numel", p.numel())
         self.total = sum(numel(p) for p in {id(p): p for p in inner.parameters()}.values())
@@ -304,7 +304,22 @@ class RunStats:
                 "mfu": self.mfu(steady), "log_intervals": self.intervals,
                 "peak_memory_bytes": peak_memory_bytes(self.device), "model_state_bytes_per_rank": held_bytes,
                 "trainable_params": self.trainable, "total_params": self.total, "world_size": world_size,
-                "global_batch_size": global_batch, "precision": self.args.precision}
+                "global_batch_size": global_batch, "precision": self.args.precision, "ran": what_ran(self.model)}
+
+
+def what_ran(model):
+    """What the run trained with, read from the model (under DeepSpeed the engine), not from the flags: the dtype the
+    trainable weights are held in (ZeRO-3: their shards) and the fp32 masters' (16-bit runs keep both), gradient
+    checkpointing; under DeepSpeed its ZeRO stage and 16-bit mode."""
+    net = getattr(model, "module", model)
+    trainable = next(p for p in net.parameters() if p.requires_grad)
+    held = getattr(trainable, "ds_tensor", trainable)
+    name = lambda dtype: str(dtype).removeprefix("torch.")
+    ran = {"weights_dtype": name(held.dtype), "gradient_checkpointing": bool(net.is_gradient_checkpointing)}
+    if hasattr(model, "zero_optimization_stage"):
+        ran["zero_stage"] = model.zero_optimization_stage()
+        ran["engine_precision"] = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else "fp32"
+    return ran
 
 
 def profile(step, first=4, steps=4):

@@ -123,7 +123,7 @@ def remove_shm_buffer():
 # ----------------------------------------------------------------------------------------------------
 # The DeepSpeed config: "auto" means "from the flags", like the HF Trainer
 
-def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
+def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
     """Read the JSON config (--deepspeed PATH) and fill its "auto" values from the flags. An explicit value that
     disagrees with a flag is an error naming both; --zero-stage and --offload override the file."""
     path = args.deepspeed
@@ -135,11 +135,15 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
         zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": args.offload}
         if args.offload == "nvme":
             zero["offload_optimizer"]["nvme_path"] = args.nvme_path
-        if zero.get("stage") == 3:  # stage 3 can offload the parameters too
-            zero["offload_param"] = {**zero["offload_optimizer"]}
+        if zero.get("stage") == 3:  # stage 3 can offload the parameters too (the file's other offload_param keys kept)
+            where = {k: v for k, v in zero["offload_optimizer"].items() if k in ("device", "nvme_path")}
+            zero["offload_param"] = {**zero.get("offload_param", {}), **where}
         else:
             zero.pop("offload_param", None)
     check_offload(zero)
+    if zero.get("offload_param", {}).get("device") == "nvme":
+        size_swap_buffers(config, path, largest_parameter(model_config), world_size, 4 if args.precision in
+                          ("fp32", "tf32") else 2)
     choose_optimizer(config, torch.cuda.is_available())
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         config.setdefault(key, "auto")  # the loop needs these three to be what the flags say
@@ -164,7 +168,8 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, hidden_size):
         ("fp16.loss_scale_window", FP16_SCALER["growth_interval"], "training.FP16_SCALER"),
         ("fp16.hysteresis", 1, "torch's GradScaler (no hysteresis)"),
     ] + [(f"zero_optimization.{key}", value, None)
-         for key, value in tuned_values(zero.get("stage", 0), hidden_size, torch.cuda.is_available()).items()]
+         for key, value in tuned_values(zero.get("stage", 0), model_config.hidden_size,
+                                        torch.cuda.is_available()).items()]
     mismatches = []
     for dotted, value, flag in values:
         *parents, key = dotted.split(".")
@@ -210,6 +215,38 @@ def tuned_values(stage, hidden_size, cuda):
     return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda,
             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
             "stage3_param_persistence_threshold": 10 * hidden_size}
+
+
+def largest_parameter(model_config):
+    """The elements of the model's largest parameter (at most models: the embedding), counted on the meta device."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    return max(p.numel() for p in model.parameters())
+
+
+def swap_buffer_elements(largest, world_size, bytes_per_element, intra_op_parallelism=1):
+    """ZeRO-3 + NVMe swaps each rank's shard of a parameter (ceil(numel / ranks) elements) through one of
+    offload_param.buffer_count pinned buffers of buffer_size elements each, and refuses a larger shard
+    (runtime/swap_tensor/partitioned_param_swapper.py: "More elements N than buffer size"). DeepSpeed's default, 1e8
+    elements, is smaller than OPT-1.3B's or Llama-2-7B's embedding. The size that fits the largest shard, rounded up to
+    the I/O alignment DeepSpeed pads each buffer to (1024 bytes per intra-op thread), so none is wasted."""
+    align = 1024 * intra_op_parallelism // bytes_per_element
+    return math.ceil(math.ceil(largest / world_size) / align) * align
+
+
+def size_swap_buffers(config, path, largest, world_size, bytes_per_element):
+    """offload_param.buffer_size from the model ("auto" or absent); a size set in the file that is too small is an
+    error here rather than an assertion while the model loads."""
+    section = config["zero_optimization"]["offload_param"]
+    needed = swap_buffer_elements(largest, world_size, bytes_per_element,
+                                  config.get("aio", {}).get("intra_op_parallelism", 1))
+    given = section.get("buffer_size", "auto")
+    if given == "auto":
+        section["buffer_size"] = needed
+    elif given < math.ceil(largest / world_size):
+        fail(f"{path}: zero_optimization.offload_param.buffer_size={given} is smaller than this model's largest "
+             f"parameter shard ({math.ceil(largest / world_size)} elements); set it to \"auto\" or at least {needed}")
 
 
 def choose_optimizer(config, cuda):
@@ -316,19 +353,30 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
 
 def after_load(engine, folder, rank, args, step, device):
     """What load_checkpoint leaves to us: each rank's random state (dropout) as saved, a fresh stream for a rank the
-    checkpoint did not have; and two repairs of DeepSpeed 0.19.8's ZeRO-3 universal load
-    (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), which gives every parameter group the first
-    group's settings (weight decay on biases and norms) and one `step` tensor shared by all, which torch's AdamW then
-    advances once per group and step."""
+    checkpoint did not have; and repairs of DeepSpeed 0.19.8's universal load: where each `step` lives
+    (place_optimizer_steps), and under ZeRO-3 (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3) the first
+    group's settings given to every parameter group (weight decay on biases and norms)."""
     path = (folder.parent if folder.name == "universal" else folder) / f"rng-{rank}.pt"
     if path.exists():
         training.set_rng_state(torch.load(path, weights_only=False), device)
     else:
         torch.manual_seed(args.seed + 1_000_003 * step + rank)
-    if folder.name == "universal" and engine.zero_optimization_partition_weights():
-        optimizer = engine.optimizer.optimizer
+    if folder.name != "universal":
+        return
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer inside ZeRO's
+    place_optimizer_steps(optimizer)
+    if engine.zero_optimization_partition_weights():
         for group, decay in zip(optimizer.param_groups, (args.weight_decay, 0.0)):  # training.param_groups' order
             group["weight_decay"] = decay
-        for state in optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+
+
+def place_optimizer_steps(optimizer):
+    """Each parameter's AdamW `step` where torch reads it: a fused (or capturable) AdamW on the parameter's device, in
+    float32, another one on the CPU (as torch's own load_state_dict places it). DeepSpeed's universal load sets the
+    state directly, from files loaded onto the CPU (ds_to_universal; base_optimizer.py for ZeRO-1/2, stage3.py), so
+    the fused AdamW on a GPU would read a CPU `step` at the first step (an illegal memory access). And one tensor per
+    parameter: ZeRO-3's load gives them all the same one, which AdamW would then advance once per group and step."""
+    on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
+    for param, state in optimizer.state.items():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].to(param.device if on_device else "cpu", torch.float32, copy=True)

@@ -11,7 +11,9 @@ the same Python, repo path and package versions there, and that every host reach
 per host: ok, or what failed and how to fix it. Exit code 0 only if everything is ok.
 """
 import argparse
+import os
 import re
+import resource
 import shlex
 import shutil
 import socket
@@ -69,7 +71,25 @@ def local_versions():
     return run([sys.executable, "-c", VERSIONS], timeout=120)[1].splitlines()[-1]  # the last line: imports may warn
 
 
-def check_host(host, master_addr, master_port, want_versions):
+# the host's memlock limit (KiB, or "unlimited"), its InfiniBand devices, its GPUs ("-": no nvidia-smi to ask)
+HOST_FACTS = ("ulimit -l; ls /sys/class/infiniband 2>/dev/null | wc -l; "
+              "if command -v nvidia-smi >/dev/null; then nvidia-smi --list-gpus | wc -l; else echo -; fi")
+
+
+def limits_problem(host, slots, memlock, infiniband, gpus):
+    """What a host's limits would break, from HOST_FACTS' three answers (as the launcher's ssh session sees them), or
+    None. NCCL over InfiniBand registers (pins) its buffers, and fails to when the memlock limit is below unlimited;
+    the launcher starts one rank per slot, each on its own GPU."""
+    if int(infiniband) and memlock != "unlimited":
+        return (f"memlock limit is {memlock} KiB, and NCCL over InfiniBand needs it unlimited: add '* - memlock "
+                f"unlimited' to /etc/security/limits.conf there (containers: --ulimit memlock=-1)")
+    if gpus != "-" and int(gpus) != slots:
+        return (f"{gpus} GPUs for {slots} slots: set '{host} slots={gpus}' in the hostfile" if int(gpus) else
+                f"nvidia-smi sees no GPU: check the driver there")
+    return None
+
+
+def check_host(host, slots, master_addr, master_port, want_versions):
     """The first problem found on this host, with its fix, or None."""
     status, out = ssh(host, "true")
     if status:
@@ -91,7 +111,8 @@ def check_host(host, master_addr, master_port, want_versions):
     if ssh(host, f"{shlex.quote(sys.executable)} -c {shlex.quote(connect)}")[0]:
         return (f"cannot reach {master_addr}:{master_port} (the master port): open it in the firewall, or pass "
                 f"--master_addr an address of this node that {host} reaches")
-    return None
+    status, out = ssh(host, HOST_FACTS)
+    return f"cannot read its limits ({out})" if status else limits_problem(host, slots, *out.split())
 
 
 def offload_facts():
@@ -107,7 +128,8 @@ def offload_facts():
             "cxx": shutil.which(ce.get_cxx_compiler()), "ninja": ce.is_ninja_available(),
             "python_h": Path(sysconfig.get_paths()["include"], "Python.h").exists(),
             "cuda": __import__("torch").cuda.is_available(), "cuda_home": ce.CUDA_HOME,
-            "libaio": AsyncIOBuilder().is_compatible(verbose=False)}
+            "libaio": AsyncIOBuilder().is_compatible(verbose=False),
+            "memlock": resource.getrlimit(resource.RLIMIT_MEMLOCK)[0], "root": os.geteuid() == 0}
 
 
 def offload_problems(kind, have):
@@ -128,6 +150,10 @@ def offload_problems(kind, have):
         if have["cuda"] and not have["cuda_home"]:
             problems.append("no CUDA toolkit (CUDA_HOME) for NVMe offload's async I/O op on this CUDA machine: install "
                             "the toolkit that matches torch.version.cuda and set CUDA_HOME")
+    if kind == "nvme" and have["memlock"] != resource.RLIM_INFINITY and not have["root"]:  # root may lock any amount
+        problems.append(f"memlock limit {have['memlock'] // 1024} KiB: NVMe offload locks its swap buffers (GBs: "
+                        f"plan.py's CPU figure) with mlock, which fails past it: ulimit -l unlimited (limits.conf; "
+                        f"containers: --ulimit memlock=-1)")
     return problems
 
 
@@ -158,7 +184,7 @@ def main(argv=None):
     want = local_versions()
     failed = 0
     for host, slots in hosts:
-        problem = check_host(host, master_addr, args.master_port, want)
+        problem = check_host(host, slots, master_addr, args.master_port, want)
         failed += problem is not None
         print(f"{host} ({slots} slots): {problem or 'ok'}")
     listener.close()

@@ -25,10 +25,10 @@ import plan  # noqa: E402
 from finetune import memory, training, zero  # noqa: E402
 
 OPTIONS = {"ZeRO-0": (0, None), "ZeRO-1": (1, None), "ZeRO-2": (2, None), "ZeRO-3": (3, None),
-           "ZeRO-2 + CPU offload": (2, "cpu"), "ZeRO-3 + CPU offload": (3, "cpu")}
+           "ZeRO-2 + CPU offload": (2, "cpu"), "ZeRO-3 + CPU offload": (3, "cpu"), "ZeRO-3 + NVMe offload": (3, "nvme")}
 
 
-def probe(folder, precision, option, world_size):
+def probe(folder, precision, option, world_size, nvme_path=""):
     config = AutoConfig.from_pretrained(folder)
     # before the HfDeepSpeedConfig: with a ZeRO-3 one alive, transformers would partition even the meta model
     params = plan.parameters(config)
@@ -37,8 +37,8 @@ def probe(folder, precision, option, world_size):
     norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) else None
     args = argparse.Namespace(deepspeed=str(zero.DEFAULT_CONFIG), batch_size=2, grad_accum=1, max_grad_norm=1.0,
                               lr=1e-3, weight_decay=0.0, precision=precision, zero_stage=stage, offload=offload,
-                              nvme_path="")
-    ds_config = zero.deepspeed_config(args, world_size, 10, 1, config.hidden_size)
+                              nvme_path=nvme_path)
+    ds_config = zero.deepspeed_config(args, world_size, 10, 1, config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # alive while the model loads, as in the script
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config,
@@ -84,11 +84,13 @@ def main():
     p.add_argument("--models", nargs="+", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--nvme-path", help="also NVMe offload, swapping to this folder (needs libaio; not in the tests)")
     args = p.parse_args()
     zero.launch_env()
     deepspeed.init_distributed()
-    rows = [probe(m, precision, option, dist.get_world_size())
-            for m in args.models for precision in ("fp32", "bf16") for option in OPTIONS]
+    options = [o for o in OPTIONS if args.nvme_path or "NVMe" not in o]
+    rows = [probe(m, precision, option, dist.get_world_size(), args.nvme_path)
+            for m in args.models for precision in ("fp32", "bf16") for option in options]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows)
     if dist.get_rank() == 0:

@@ -1,14 +1,20 @@
 """The DeepSpeed config: "auto" filled from the flags, the optimizer nothing has to compile, offload checks."""
 import argparse
 import json
+import types
 
 import pytest
+from transformers import OPTConfig
 
 from finetune import training, zero
 from conftest import load_script
 
 ZERO3 = str(training.ROOT / "ds_config_zero3.json")
 ZERO2 = str(training.ROOT / "ds_config_zero2.json")
+
+
+def shape(hidden_size):
+    return types.SimpleNamespace(hidden_size=hidden_size)
 
 
 def ds_args(path=ZERO3, **kw):
@@ -18,7 +24,7 @@ def ds_args(path=ZERO3, **kw):
 
 
 def test_auto_values_come_from_the_flags():
-    config = zero.deepspeed_config(ds_args(), 2, 100, 5, 64)
+    config = zero.deepspeed_config(ds_args(), 2, 100, 5, shape(64))
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (4, 2, 16)
     assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
@@ -46,25 +52,64 @@ def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect)
 
 
 def test_overrides_and_offload():
-    section = zero.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, 8)["zero_optimization"]
+    section = zero.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, shape(8))["zero_optimization"]
     assert section["offload_optimizer"]["device"] == "cpu" and section["offload_param"]["device"] == "cpu"
-    config = zero.deepspeed_config(ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, 8)
+    config = zero.deepspeed_config(ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, shape(8))
     assert config["zero_optimization"]["stage"] == 2 and "offload_param" not in config["zero_optimization"]
-    nvme = zero.deepspeed_config(ds_args(offload="nvme"), 1, 10, 1, 8)["zero_optimization"]
-    assert nvme["offload_optimizer"]["nvme_path"] == "/nvme" and nvme["offload_param"]["device"] == "nvme"
+
+
+def test_offload_keeps_the_files_own_keys_for_each_side(tmp_path):
+    """--offload sets where both go; the file's offload_param keys stay, and the optimizer's own keys (ratio,
+    fast_init) are not copied where DeepSpeed refuses them."""
+    path = tmp_path / "ds.json"
+    config = json.loads(open(ZERO3).read())
+    config["zero_optimization"]["offload_optimizer"].update(ratio=0.5, fast_init=True)
+    config["zero_optimization"]["offload_param"].update(buffer_count=8)
+    path.write_text(json.dumps(config))
+    section = zero.deepspeed_config(ds_args(str(path), offload="cpu"), 1, 10, 1, shape(8))["zero_optimization"]
+    assert section["offload_param"] == {"device": "cpu", "pin_memory": True, "buffer_count": 8}
+    assert section["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5, "fast_init": True}
+
+
+OPT_1_3B = OPTConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
+                     word_embed_proj_dim=2048)  # its largest parameter: the embedding, 50272 x 2048
+
+
+@pytest.mark.parametrize("ranks, precision, elements", [
+    (1, "bf16", 102_957_056),  # the whole embedding (DeepSpeed's default buffer: 1e8 elements, too small)
+    (8, "bf16", 12_869_632),  # an eighth
+    (3, "bf16", 34_319_360),  # ceil(102957056 / 3) = 34319019, up to the next 512 (1024 bytes of 16-bit elements)
+    (3, "fp32", 34_319_104),  # up to the next 256
+])
+def test_nvme_swap_buffers_hold_the_largest_shard(ranks, precision, elements):
+    args = ds_args(offload="nvme", precision=precision)
+    section = zero.deepspeed_config(args, ranks, 10, 1, OPT_1_3B)["zero_optimization"]
+    assert section["offload_optimizer"]["nvme_path"] == "/nvme" and section["offload_param"]["device"] == "nvme"
+    assert section["offload_param"]["buffer_size"] == elements
+
+
+def test_a_too_small_swap_buffer_in_the_file_is_one_line(tmp_path):
+    path = tmp_path / "ds.json"
+    config = json.loads(open(ZERO3).read())
+    config["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match="buffer_size=100000000 is smaller than this model's largest parameter shard "
+                                         "\\(102957056 elements\\); set it to \"auto\" or at least 102957056"):
+        zero.deepspeed_config(ds_args(str(path), offload="nvme"), 1, 10, 1, OPT_1_3B)
+    assert zero.deepspeed_config(ds_args(str(path), offload="nvme"), 2, 10, 1, OPT_1_3B)  # half of it fits
 
 
 def test_nvme_below_stage_3_is_one_line():
     """DeepSpeed would quietly offload to CPU memory instead, ignoring --nvme-path."""
     with pytest.raises(SystemExit, match="error: --offload nvme needs ZeRO stage 3 \\(at stage 2"):
-        zero.deepspeed_config(ds_args(zero_stage=2, offload="nvme"), 1, 10, 1, 8)
+        zero.deepspeed_config(ds_args(zero_stage=2, offload="nvme"), 1, 10, 1, shape(8))
 
 
 def test_a_scheduler_block_is_filled(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}))
-    config = zero.deepspeed_config(ds_args(str(path)), 1, 100, 5, 8)
+    config = zero.deepspeed_config(ds_args(str(path)), 1, 100, 5, shape(8))
     assert config["scheduler"]["params"] == {
         "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
 
@@ -81,16 +126,16 @@ def test_errors_name_both_sides(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(SystemExit, match="error: ") as e:
-        zero.deepspeed_config(ds_args(str(path)), 2, 100, 5, 8)
+        zero.deepspeed_config(ds_args(str(path)), 2, 100, 5, shape(8))
     assert message in str(e.value)
 
 
 def test_bad_files(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
-        zero.deepspeed_config(ds_args(str(tmp_path / "nope.json")), 1, 1, 1, 8)
+        zero.deepspeed_config(ds_args(str(tmp_path / "nope.json")), 1, 1, 1, shape(8))
     (tmp_path / "bad.json").write_text("{ not json")
     with pytest.raises(SystemExit, match="not valid JSON"):
-        zero.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, 8)
+        zero.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, shape(8))
 
 
 @pytest.mark.parametrize("path", [ZERO2, ZERO3])

@@ -161,3 +161,22 @@ def test_random_state_is_this_process_and_its_own_device():
     before = torch.rand(3)
     training.set_rng_state({"cpu": state["cpu"], "cuda": [torch.zeros(1)] * 8}, torch.device("cpu"))  # 8 saved GPUs
     assert torch.rand(3).equal(before)
+
+
+@pytest.mark.parametrize("fused, where", [(True, "meta"), (False, "cpu")])
+def test_a_universal_resume_puts_each_step_where_adamw_reads_it(fused, where):
+    """DeepSpeed's universal load leaves `step` on the CPU, shared by every ZeRO-3 partition; a fused AdamW reads it
+    on the parameter's device (here the meta device stands in for a GPU)."""
+    params = [torch.empty(4, device="meta"), torch.empty(2, device="meta")]
+    shared = torch.tensor(7.0, dtype=torch.float64)  # as loaded: on the CPU, one tensor for all
+    optimizer = argparse.Namespace(param_groups=[{"params": [], "fused": fused, "weight_decay": 0.0}],
+                                   state={p: {"step": shared, "exp_avg": torch.empty(p.shape, device="meta")}
+                                          for p in params})
+    zero.place_optimizer_steps(optimizer)
+    steps = [optimizer.state[p]["step"] for p in params]
+    assert all(s.device.type == where and s.dtype == torch.float32 for s in steps)
+    assert steps[0] is not steps[1] and steps[0] is not shared
+    for p, state in optimizer.state.items():  # every state tensor on its parameter's device, as a fused step needs
+        assert all(t.device == p.device for k, t in state.items() if k != "step" or fused)
+    if where == "cpu":
+        assert steps[0].item() == 7.0

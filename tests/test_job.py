@@ -5,6 +5,7 @@ AuthorizedKeysFile, and two host aliases (node1, node2) in its own ssh_config. A
 `-F <that config>`: DeepSpeed's launcher and pdsh both call plain `ssh`. Nothing is written to ~/.ssh."""
 import getpass
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune import zero
 from conftest import ROOT, assert_close_losses, base_args, check, free_port, load_script, results
 
 single = load_script("single-gpu.py")
@@ -91,6 +93,21 @@ def test_preflight_passes_on_reachable_hosts_and_names_the_broken_one(cluster, t
     assert "node-closed (1 slots): passwordless ssh fails" in run.stdout and "ssh-copy-id node-closed" in run.stdout
 
 
+@pytest.mark.parametrize("facts, problem", [
+    ("unlimited 4 8", None),
+    ("64 0 8", None),  # no InfiniBand: NCCL's sockets pin nothing
+    ("8192 0 -", None),  # no nvidia-smi (a CPU host): the GPUs are not counted
+    ("64 4 8", "memlock limit is 64 KiB, and NCCL over InfiniBand needs it unlimited"),
+    ("unlimited 2 4", "4 GPUs for 8 slots: set 'gpu07 slots=4' in the hostfile"),
+    ("unlimited 2 0", "nvidia-smi sees no GPU"),
+])
+def test_preflight_reads_each_hosts_limits(facts, problem):
+    sys.path.insert(0, str(ROOT / "job"))
+    import preflight
+    found = preflight.limits_problem("gpu07", 8, *facts.split())
+    assert found == problem if problem is None else found.startswith(problem)
+
+
 @pytest.mark.parametrize("content, message", [
     ("node1 slots=8\nnode2 slots=eight\n", "line 2: 'node2 slots=eight': slots must be a positive whole number"),
     ("node1 slots=8\nnode1 slots=8\n", "line 2: 'node1 slots=8': host node1 is already on line 1"),
@@ -121,17 +138,21 @@ def test_slurm_script_writes_the_hostfile_and_the_launch(tmp_path, launcher):
     (fake / "scontrol").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]",
            "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "4", "DRY_RUN": "1",
-           "HOSTFILE": str(tmp_path / "hostfile"), "LAUNCHER": launcher}
+           "HOSTFILE": str(tmp_path / "hostfile"), "LAUNCHER": launcher, "SLURM_CPUS_PER_TASK": "32"}
+    env.pop("MASTER_PORT", None)
+    # the port is the job's own, the one zero.slurm_env gives tasks srun starts without a launcher
+    port = zero.slurm_env({**env, "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})["MASTER_PORT"]
+    assert port == "20042"
     run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m"], env=env,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "hostfile").read_text() == "gpu07 slots=4\ngpu08 slots=4\n"
     if launcher == "deepspeed":
-        assert (f".venv/bin/deepspeed --hostfile={tmp_path}/hostfile --master_addr=gpu07 --master_port=29500 "
+        assert (f".venv/bin/deepspeed --hostfile={tmp_path}/hostfile --master_addr=gpu07 --master_port=20042 "
                 "zero-optimization.py --deepspeed --model m") in run.stdout
     else:
-        assert ("srun --ntasks-per-node=1 .venv/bin/torchrun --nnodes=2 --nproc_per_node=4 --rdzv_backend=c10d "
-                "--rdzv_endpoint=gpu07:29500 --rdzv_id=42 zero-optimization.py --deepspeed --model m") in run.stdout
+        assert ("srun --ntasks-per-node=1 --cpus-per-task=32 .venv/bin/torchrun --nnodes=2 --nproc_per_node=4 "
+                "--rdzv_backend=c10d --rdzv_endpoint=gpu07:20042 --rdzv_id=42 zero-optimization.py --deepspeed --model m") in run.stdout
     assert "hosts: gpu07 gpu08 (4 GPUs each" in run.stdout
 
 
@@ -170,7 +191,8 @@ def test_every_shell_script_parses():
 
 
 GPU_MACHINE = {"prebuilt_cpu_adam": False, "prebuilt_aio": False, "cxx": "/usr/bin/c++", "ninja": True,
-               "python_h": True, "cuda": True, "cuda_home": "/usr/local/cuda", "libaio": True}
+               "python_h": True, "cuda": True, "cuda_home": "/usr/local/cuda", "libaio": True,
+               "memlock": resource.RLIM_INFINITY, "root": False}
 
 
 @pytest.mark.parametrize("kind, missing, lines", [
@@ -180,6 +202,9 @@ GPU_MACHINE = {"prebuilt_cpu_adam": False, "prebuilt_aio": False, "cxx": "/usr/b
     ("nvme", {"cuda_home": None, "libaio": False}, ["no libaio", "no CUDA toolkit (CUDA_HOME)"]),
     ("nvme", {"cuda": False, "cuda_home": None}, []),  # on a CPU machine async I/O needs no toolkit
     ("nvme", {"prebuilt_cpu_adam": True, "prebuilt_aio": True, "cxx": None, "libaio": False}, []),  # ops prebuilt
+    ("nvme", {"prebuilt_aio": True, "memlock": 8 << 20}, ["memlock limit 8192 KiB"]),  # mlock fails past it
+    ("nvme", {"memlock": 8 << 20, "root": True}, []),
+    ("cpu", {"memlock": 8 << 20}, []),  # CPU offload pins through torch (cudaHostAlloc), not mlock
 ])
 def test_offload_preflight_says_what_is_missing(kind, missing, lines):
     sys.path.insert(0, str(ROOT / "job"))

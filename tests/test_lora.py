@@ -79,3 +79,43 @@ def test_lora_resume_gives_the_uninterrupted_run(tiny, tmp_path, reference):
     single.main(argv + ["--resume"])
     assert_close_losses(results(reference)["losses"], results(out)["losses"], rtol=1e-6)
     assert all(torch.equal(v, adapter(reference)[k]) for k, v in adapter(out).items())
+
+
+def test_lora_under_zero3_trains_in_the_runs_16_bits(tiny, tmp_path, reference):
+    """peft makes fp32 adapters after the base's zero.Init, and ZeRO-3 takes the run's dtype from the first trainable
+    parameter: unless they are cast first, a bf16 run trains them in fp32 (and fp16 without loss scaling)."""
+    out = tmp_path / "run"
+    argv = lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 3, "--precision": "bf16"})
+    check(launch("python", "zero-optimization.py", argv + ["--deepspeed"]))
+    r = results(out)
+    assert r["ran"] == {"weights_dtype": "bfloat16", "gradient_checkpointing": False, "zero_stage": 3,
+                        "engine_precision": "bf16"}
+    first = results(reference)["losses"][0]  # before any update (B = 0): the fp32 run's loss, to bf16's rounding
+    assert abs(r["losses"][0] - first) < 1e-2 * first
+
+
+def test_the_merge_adds_into_the_gathered_state_and_never_into_the_training_model(tiny, tmp_path):
+    """save_final merges the adapters in place: into a state ZeRO-3 gathered (no second copy of the model in rank 0's
+    host memory), but never into the weights of a model training on the CPU."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+
+    from finetune import models
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny["model"]),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_()  # adapters that change the weights
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    models.save_final(model, tokenizer, tmp_path / "live")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the training model untouched
+    gathered = {k: v.clone() for k, v in model.state_dict().items()}
+    models.save_final(model, tokenizer, tmp_path / "gathered", gathered)
+    saved, want = weights(tmp_path / "gathered"), weights(tmp_path / "live")
+    key = "model.decoder.layers.0.fc1.weight"
+    base = f"base_model.model.{key.removesuffix('.weight')}.base_layer.weight"  # its name in the peft model
+    assert torch.equal(saved[key], want[key]) and not torch.equal(saved[key], before[base])  # merged, the same
+    assert torch.equal(gathered[base], saved[key])  # merged where it lay: the gathered tensor itself, no copy

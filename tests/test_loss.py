@@ -110,3 +110,42 @@ def test_the_logits_of_all_tokens_never_exist_at_once(chats, chunk):
     else:  # the plain path: every position's logits
         assert seen.largest == tokens * vocab
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+class MatmulFlops(TorchDispatchMode):
+    """2·m·k·n for every matrix product (mm, addmm and in place), and each product's output shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.shapes = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = args[-2:] if name != "mm" else args[:2]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def test_a_frozen_head_gets_no_gradient_work(chats):
+    """LoRA freezes the head: the loss then makes no (vocabulary x hidden) gradient for it, a third of its matmuls;
+    the hidden states' gradient, all the adapters need, is the same."""
+    train, tokenizer = chats
+    torch.manual_seed(0)
+    model = loss.attach(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](len(tokenizer))), 32)
+    inputs, labels = train.batch(list(range(4)), tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    head = model.get_output_embeddings().weight
+    hidden_grads, counts = {}, {}
+    for frozen in (False, True):
+        head.requires_grad_(not frozen)
+        model.zero_grad()
+        with MatmulFlops() as counts[frozen]:
+            loss.token_loss_sum(model, inputs, labels).backward()
+        hidden_grads[frozen] = model.model.norm.weight.grad.clone()  # through the hidden states
+        assert (head.grad is None) == frozen
+    tokens, (vocab, hidden) = len(labels[1]), head.shape
+    assert counts[False].flops - counts[True].flops == 2 * tokens * vocab * hidden  # the head's weight gradient
+    assert tuple(head.shape) in counts[False].shapes and tuple(head.shape) not in counts[True].shapes
+    assert torch.equal(hidden_grads[False], hidden_grads[True])

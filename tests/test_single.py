@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import assert_close_losses, assert_same_weights, base_args, load_script, results, weights
+from finetune import hardware
 
 single = load_script("single-gpu.py")
 
@@ -72,6 +73,19 @@ def test_resume_continues_with_identical_losses(tmp_path, tiny):
     assert len(resumed["losses"]) == 4
     assert_close_losses(full["losses"], resumed["losses"], rtol=1e-6)
     assert_same_weights(full_weights, weights(out / "final"), atol=1e-6)
+
+
+def test_the_batches_take_the_layout_of_the_attention_the_model_loaded(tmp_path, tiny, monkeypatch):
+    """The AutoConfig names no attention implementation; the model loads with the one the hardware picks
+    (FlashAttention-2 on GPUs: varlen rows, not a 4-D mask, or a device-side assert). Here eager attention stands in
+    for it: its additive mask is another layout than SDPA's boolean one, and a boolean mask added to the scores
+    would attend across documents. The same run either way."""
+    argv = base_args(tiny, tmp_path / "sdpa", **{"--batch-size": 4})
+    single.main(argv)
+    monkeypatch.setattr(hardware, "attention", lambda *facts: "eager")
+    single.main(base_args(tiny, tmp_path / "eager", **{"--batch-size": 4}))
+    assert_close_losses(results(tmp_path / "sdpa")["losses"], results(tmp_path / "eager")["losses"])
+    assert results(tmp_path / "eager")["eval_loss"] == pytest.approx(results(tmp_path / "sdpa")["eval_loss"], rel=1e-5)
 
 
 def test_no_packing_and_bf16(tmp_path, tiny):
