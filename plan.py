@@ -7,7 +7,7 @@
 Per GPU: the model states (weights, gradients, fp32 master weights, Adam moments and DeepSpeed's own buffers) as
 DeepSpeed 0.19.8 allocates them on this project's path, one accounting for every stage, read from its source
 (runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py) and checked against the bytes each rank holds
-(tests/test_plan.py: within 10% at every stage, offload, precision, 1 and 2 ranks; docs/planner.md); then the
+(tests/test_plan.py: within 0.1% at every stage, offload, precision, 1 and 2 ranks; docs/planner.md); then the
 peak of a step: activations and logits as the loss path holds them, buckets, transients. Per node: CPU memory.
 Activations follow Korthikanti et al. (2022), 34·s·b·h bytes per layer in 16 bits; on GPUs they are an estimate
 (not yet measured). Where DeepSpeed's own estimators disagree with its source, the source wins (docs/planner.md).

@@ -267,7 +267,8 @@ def main(argv=None):
     results = {"accuracy": metrics["eval_accuracy"], "f1_macro": metrics["eval_f1_macro"],
                "eval_loss": metrics["eval_loss"], "train_runtime_s": train_time,
                "samples_per_sec": train_metrics["train_samples_per_second"], "world_size": world_size,
-               "labels": names}
+               "labels": names, "train_log": [{k: h[k] for k in ("step", "loss", "grad_norm") if k in h}
+                                              for h in trainer.state.log_history if "loss" in h]}
     unset_hf_deepspeed_config()  # from here on from_pretrained loads a whole model (no ZeRO-3 partitioning)
     if rank == 0:
         training.write_json(out / "results.json", results)

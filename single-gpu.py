@@ -51,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-ratio", type=float, default=0.05, help="share of the steps spent warming up the LR")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradients' norm to this (0: no clipping)")
     p.add_argument("--epochs", type=float, default=1)
     p.add_argument("--max-steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
     p.add_argument("--seed", type=int, default=42)
@@ -141,14 +141,14 @@ def main(argv=None):
             scaler.scale(batch_loss).backward()
             step_loss += batch_loss.detach()
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # pre-clip
         scale = scaler.get_scale()  # fp16 only: a host sync (DeepSpeed syncs for the same check)
         scaler.step(optimizer)  # fp16: skips the update when a gradient overflowed, and lowers the scale
         scaler.update()
         if scaler.get_scale() >= scale:  # a skipped update leaves the LR schedule where it was, as DeepSpeed does
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        stats.end_step(step_loss, train, indices)
+        stats.end_step(step_loss, train, indices, grad_norm)
 
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))

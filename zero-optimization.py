@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-ratio", type=float, default=0.05, help="share of the steps spent warming up the LR")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradients' norm to this (0: no clipping)")
     p.add_argument("--epochs", type=float, default=1)
     p.add_argument("--max-steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
     p.add_argument("--seed", type=int, default=42)
@@ -129,8 +129,8 @@ def main(argv=None):
     autocast = hardware.autocast(device, "none")  # ZeRO: the engine keeps 16-bit weights itself (and fp32 masters)
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
-    # ZeRO: each rank holds its share of each step's loss: the losses are all-reduced at each log line
-    stats = training.RunStats(config, model, args, device, reduce=dist.all_reduce)
+    zero.keep_grad_norm(model)  # ZeRO: what ZeRO-0 computes and drops (fp32) or keeps scaled (fp16)
+    stats = training.RunStats(config, model, args, device, reduce=dist.all_reduce)  # ZeRO: sums the ranks' losses
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards
         zero.after_load(model, folder, rank, args, state["stats"]["step"], device)  # ZeRO: RNG per rank, ...
@@ -158,7 +158,8 @@ def main(argv=None):
             model.backward(batch_loss * world_size, scale_wrt_gas=False)
             model.step()  # ZeRO: at the last micro-step: clip, update, step the LR schedule, zero the gradients
             step_loss += batch_loss.detach()
-        stats.end_step(step_loss, train, indices)
+        grad_norm = zero.grad_norm(model)  # ZeRO: the engine's global norm before clipping, as clip_grad_norm_'s
+        stats.end_step(step_loss, train, indices, grad_norm)
 
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))

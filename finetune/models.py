@@ -95,9 +95,15 @@ def save_final(model, tokenizer, folder, state_dict=None):
     # The merge below adds the adapters into the base weights in place: into a copy on the CPU where the tensors are
     # on a GPU, into the gathered ones as they are (ZeRO-3: already rank 0's host memory, never copied twice), and
     # into copies of the training model's own weights only where it trains on the CPU.
-    live = {p.data_ptr() for p in model.parameters()}
-    state = {k: v.detach().to("cpu") for k, v in (state_dict or model.state_dict()).items()}
-    state = {k: v.clone() if v.data_ptr() in live else v for k, v in state.items()}
+    live = {p.data_ptr() for p in model.parameters() if p.device.type == "cpu"}
+    state, copies = {}, {}
+    for k, v in (state_dict or model.state_dict()).items():
+        if v.device.type == "cpu" and v.data_ptr() not in live:
+            state[k] = v.detach()
+        else:  # one copy per tensor: tied weights (embeddings and head) stay one tensor, and the export stays tied
+            if (v.device, v.data_ptr()) not in copies:
+                copies[v.device, v.data_ptr()] = v.detach().to("cpu", copy=True)
+            state[k] = copies[v.device, v.data_ptr()]
     model.save_pretrained(folder / "adapter", state_dict=state)  # peft keeps the adapter's tensors, full size
     with torch.device("meta"):  # a model without storage, given the tensors above
         merged = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),

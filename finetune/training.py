@@ -220,6 +220,7 @@ class RunStats:
         facts = hardware.facts(device)
         self.peak = hardware.peak_tflops(facts.name, args.precision) if facts.kind == "cuda" else None
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
+        self.grad_norms, self.pending_norms = [], []
         self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
         self.interval_start = time.perf_counter()
 
@@ -228,9 +229,11 @@ class RunStats:
         peak = f" | MFU against {self.peak[1]}" if self.peak else ""
         return f"{self.total / 1e6:.1f}M parameters, {share}{peak}"
 
-    def end_step(self, step_loss, blocks, indices):
+    def end_step(self, step_loss, blocks, indices, grad_norm):
+        """grad_norm: the step's gradient norm before clipping (a tensor or a float; read at the next log line)."""
         self.step += 1
         self.pending.append(step_loss)
+        self.pending_norms.append(grad_norm)
         self.interval_tokens += int(blocks.lengths[indices].sum())
         self.interval_attended += int(blocks.attended[indices].sum())
         profile(self.step)
@@ -246,7 +249,8 @@ class RunStats:
             self.reduce(losses)
         first = len(self.losses) + 1
         self.losses += losses.tolist()
-        self.pending = []
+        self.grad_norms += [float(norm) for norm in self.pending_norms]  # the same on every rank
+        self.pending, self.pending_norms = [], []
         for step, value in enumerate(self.losses[first - 1:], first):
             if not math.isfinite(value):
                 fail(f"the loss is {value} at step {step}: training diverged (lower --lr, use bf16 rather than "
@@ -289,16 +293,18 @@ class RunStats:
     def state(self):
         self._flush()
         return {"step": self.step, "losses": self.losses, "train_time": self.train_time, "tokens": self.tokens,
-                "intervals": self.intervals}
+                "intervals": self.intervals, "grad_norms": self.grad_norms}
 
     def restore(self, state):
         self.step, self.losses, self.intervals = state["step"], state["losses"], state["intervals"]
         self.train_time, self.tokens = state["train_time"], state["tokens"]
+        self.grad_norms = state.get("grad_norms", [None] * self.step)  # checkpoints written before they were kept
 
     def results(self, eval_loss, world_size, global_batch, held_bytes):
         self._flush()
         steady = self.intervals[1:] or self.intervals
-        return {"losses": self.losses, "eval_loss": eval_loss, "perplexity": perplexity(eval_loss),
+        return {"losses": self.losses, "grad_norms": self.grad_norms, "eval_loss": eval_loss,
+                "perplexity": perplexity(eval_loss),
                 "train_runtime_s": self.train_time, "train_tokens": self.tokens,
                 "tokens_per_sec": self.tokens / self.train_time if self.train_time else None,
                 "mfu": self.mfu(steady), "log_intervals": self.intervals,
@@ -309,16 +315,20 @@ class RunStats:
 
 def what_ran(model):
     """What the run trained with, read from the model (under DeepSpeed the engine), not from the flags: the dtype the
-    trainable weights are held in (ZeRO-3: their shards) and the fp32 masters' (16-bit runs keep both), gradient
-    checkpointing; under DeepSpeed its ZeRO stage and 16-bit mode."""
+    trainable weights are held in (ZeRO-3: their shards; the engine keeps fp32 masters beside 16-bit ones), gradient
+    checkpointing; under DeepSpeed its ZeRO stage, 16-bit mode, and the optimizer that steps and where its state is
+    (offload: DeepSpeed's CPU Adam)."""
     net = getattr(model, "module", model)
     trainable = next(p for p in net.parameters() if p.requires_grad)
     held = getattr(trainable, "ds_tensor", trainable)
     name = lambda dtype: str(dtype).removeprefix("torch.")
-    ran = {"weights_dtype": name(held.dtype), "gradient_checkpointing": bool(net.is_gradient_checkpointing)}
+    ran = {"weights_dtype": name(held.dtype), "gradient_checkpointing": bool(net.is_activation_checkpointing)}
     if hasattr(model, "zero_optimization_stage"):
         ran["zero_stage"] = model.zero_optimization_stage()
         ran["engine_precision"] = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else "fp32"
+        inner = getattr(model.optimizer, "optimizer", model.optimizer)  # ZeRO's optimizers wrap the one that steps
+        moments = [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+        ran["optimizer"] = f"{type(inner).__name__} on {moments[0].device.type if moments else 'nothing yet'}"
     return ran
 
 

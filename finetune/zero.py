@@ -351,6 +351,42 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
     return target
 
 
+def keep_grad_norm(engine):
+    """Make the engine keep each step's gradient norm before clipping, as single-gpu.py's clip_grad_norm_ returns it
+    (ZeRO-0 in fp32 without clipping computes none: NaN).
+    ZeRO-1/2/3 and bf16 keep it themselves (unscaled). ZeRO-0 in fp32 clips with runtime/utils.py's clip_grad_norm_
+    and drops the norm it returns (engine.clip_fp32_gradients); ZeRO-0 in fp16 (fp16/unfused_optimizer.py: torch's
+    AdamW is not DeepSpeed's FusedAdam) keeps the norm of the still-scaled gradients."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    optimizer = engine.optimizer
+    if engine.zero_optimization() or engine.bfloat16_enabled():
+        return
+    if engine.fp16_enabled():
+        step = optimizer.step
+
+        def unscaled_norm_step(*args, **kwargs):
+            scale = optimizer.loss_scale_config.cur_scale  # the scale this step's gradients carry (it may grow in it)
+            done = step(*args, **kwargs)
+            optimizer._global_grad_norm = optimizer._global_grad_norm / scale
+            return done
+
+        optimizer.step = unscaled_norm_step
+        return
+
+    def clip_and_keep():  # the engine reads optimizer._global_grad_norm after each step (engine.py, _take_model_step)
+        optimizer._global_grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(),
+                                                      mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_and_keep
+
+
+def grad_norm(engine):
+    """The last step's gradient norm before clipping (after keep_grad_norm); infinite where fp16 overflowed."""
+    norm = engine.get_global_grad_norm()
+    return float("nan") if norm is None else norm
+
+
 def after_load(engine, folder, rank, args, step, device):
     """What load_checkpoint leaves to us: each rank's random state (dropout) as saved, a fresh stream for a rank the
     checkpoint did not have; and repairs of DeepSpeed 0.19.8's universal load: where each `step` lives

@@ -117,6 +117,33 @@ def weights(folder):
     return load_file(str(Path(folder) / "model.safetensors"))
 
 
+def independent_loss(model_folder, argv, split, indices=None):
+    """(summed cross-entropy, tokens) over the tokens that carry loss in these blocks of a split the scripts prepared
+    (`argv`: their flags), computed without their batch, mask or loss code: each document alone through the stock
+    model, in float64, its loss tokens read from the per-token flags."""
+    import numpy as np
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from finetune import data, models
+    args = load_script("single-gpu.py").parse_args(argv)
+    blocks = data.prepare(args, models.load_tokenizer(args.model))[0 if split == "train" else 1]
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64).eval()
+    total, count = 0.0, 0
+    for i in range(len(blocks)) if indices is None else indices:
+        start, length = int(blocks.starts[i]), int(blocks.lengths[i])
+        ids = torch.from_numpy(np.asarray(blocks.tokens[start:start + length], dtype=np.int64))
+        flags = np.asarray(blocks.flags[start:start + length])
+        bounds = [*np.flatnonzero(flags & data.DOC_START), length]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            carries = torch.from_numpy((flags[a + 1:b] & data.LOSS) > 0)  # token t+1, predicted at position t
+            with torch.no_grad():
+                logits = model(ids[None, a:b]).logits[0, :-1]
+            total += F.cross_entropy(logits[carries], ids[a + 1:b][carries], reduction="sum").item()
+            count += int(carries.sum())
+    return total, count
+
+
 def assert_close_losses(a, b, rtol=1e-5):
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     assert a.shape == b.shape, (a.shape, b.shape)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from transformers import pipeline
 
-from conftest import check, demo, launch, load_script, results
+from conftest import assert_close_losses, check, demo, launch, load_script, results
 
 classification = load_script("sequence_classification.py")
 
@@ -50,17 +50,32 @@ def test_one_process_without_deepspeed(one_process):
     assert [a["label"] for a in answers] == ["positive", "negative"]
 
 
-@pytest.mark.parametrize("config", ["ds_config_zero2.json", "ds_config_zero3.json"])
-def test_two_processes_with_each_shipped_config(sentiment, tmp_path, config):
-    out = tmp_path / "run"
-    args = argv(sentiment, out, "--deepspeed", config)
-    args[args.index("--batch-size") + 1] = "8"  # 2 x 8: the global batch of the one-process test
-    run = check(launch("deepspeed", "sequence_classification.py", args))
-    r = results(out)
-    assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
-    assert "accuracy" in run.stdout and ("positive (" in run.stdout or "negative (" in run.stdout)
-    classify = pipeline("text-classification", model=str(out / "final"))  # gathered from the shards under ZeRO-3
-    assert classify("Our server was friendly. I would come back.")[0]["label"] in {"negative", "positive"}
+def assert_same_training(one, two, resumed_at=None):
+    """The Trainer's log every 10 steps (the loss and the gradient norm before clipping) and the final eval loss. The
+    first loss logged after a resume averages over the steps since the resume only: left out."""
+    assert [h["step"] for h in one["train_log"]] == [h["step"] for h in two["train_log"]]
+    window = [h["step"] > resumed_at for h in one["train_log"]].index(True) if resumed_at else None
+    for key in ("loss", "grad_norm"):
+        values = [[h[key] for i, h in enumerate(run["train_log"]) if key != "loss" or i != window] for run in (one, two)]
+        assert_close_losses(*values)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+
+
+def test_two_processes_with_each_shipped_config(sentiment, tmp_path):
+    """ZeRO-2 and ZeRO-3 on 2 ranks train the same (the Trainer samples the batches of 2 processes differently from
+    one's, so the comparison is between the two configs)."""
+    runs = {}
+    for config in ("ds_config_zero2.json", "ds_config_zero3.json"):
+        out = tmp_path / config
+        args = argv(sentiment, out, "--deepspeed", config)
+        args[args.index("--batch-size") + 1] = "8"  # 2 x 8: the global batch of the one-process test
+        run = check(launch("deepspeed", "sequence_classification.py", args))
+        r = runs[config] = results(out)
+        assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
+        assert "accuracy" in run.stdout and ("positive (" in run.stdout or "negative (" in run.stdout)
+        classify = pipeline("text-classification", model=str(out / "final"))  # gathered from the shards under ZeRO-3
+        assert classify("Our server was friendly. I would come back.")[0]["label"] in {"negative", "positive"}
+    assert_same_training(*runs.values())
 
 
 def test_resume_after_a_crash_and_on_another_number_of_ranks(sentiment, tmp_path):
@@ -70,6 +85,7 @@ def test_resume_after_a_crash_and_on_another_number_of_ranks(sentiment, tmp_path
     args = argv(sentiment, out, "--deepspeed", "ds_config_zero2.json")
     args[args.index("--batch-size") + 1] = "8"
     check(launch("deepspeed", "sequence_classification.py", args))
+    uninterrupted = results(out)
     first = sorted((out / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
     for done in [out / "results.json", out / "final", *(p for p in (out / "checkpoints").glob("checkpoint-*")
                                                         if p != first)]:
@@ -78,10 +94,14 @@ def test_resume_after_a_crash_and_on_another_number_of_ranks(sentiment, tmp_path
     assert one.returncode != 0 and "Traceback" not in one.stderr
     assert (f"{first} was written by 2 ranks and this run has 1; resume with 2"
             in one.stderr.strip().splitlines()[-1]), one.stderr[-2000:]
+    written = (first / "trainer_state.json").stat().st_mtime_ns
     two = check(launch("deepspeed", "sequence_classification.py", args + ["--resume"]))
+    assert (first / "trainer_state.json").stat().st_mtime_ns == written  # a restart would have written it again
     assert f"resuming from {first.name}" in two.stdout
     r = results(out)
     assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
+    # the second epoch as the uninterrupted run's: the optimizer state came back
+    assert_same_training(uninterrupted, r, resumed_at=int(first.name.split("-")[1]))
 
 
 def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path, one_process):

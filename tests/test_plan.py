@@ -135,9 +135,12 @@ def test_planned_model_states_match_the_bytes_each_rank_holds(counted):
     for r in counted:
         for point in ("after_backward", "after_step"):
             error = abs(r[f"planned_{point}"] - r[f"counted_{point}"]) / r[f"counted_{point}"]
-            worst = max(worst, error)
-            assert error <= 0.10, (r, point)
-    sys.stdout.write(f"planned vs counted model states: {100 * worst:.2f}% at most\n")
+            # ZeRO-1/2's gradients after the backward on 2 ranks: the plan splits them evenly and the ranks do not
+            # (measured: up to 3.4% more on rank 1 at the 140k-parameter model, 0.45% at 3.7M; README, planner.md)
+            uneven = point == "after_backward" and r["option"] in ("ZeRO-1", "ZeRO-2") and r["ranks"] > 1
+            worst = max(worst, 0 if uneven else error)
+            assert error <= (0.04 if uneven else 0.001), (r, point)  # the README's figures
+    sys.stdout.write(f"planned vs counted model states, but ZeRO-1/2's uneven gradients: {100 * worst:.3f}% at most\n")
 
 
 def test_planned_norm_copy_is_the_largest_fp64_copy_a_step_makes(counted):
