@@ -352,11 +352,10 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
 
 
 def keep_grad_norm(engine):
-    """Make the engine keep each step's gradient norm before clipping, as single-gpu.py's clip_grad_norm_ returns it
-    (ZeRO-0 in fp32 without clipping computes none: NaN).
+    """Make the engine keep each step's gradient norm before clipping, as single-gpu.py's clip_grad_norm_ returns it.
     ZeRO-1/2/3 and bf16 keep it themselves (unscaled). ZeRO-0 in fp32 clips with runtime/utils.py's clip_grad_norm_
-    and drops the norm it returns (engine.clip_fp32_gradients); ZeRO-0 in fp16 (fp16/unfused_optimizer.py: torch's
-    AdamW is not DeepSpeed's FusedAdam) keeps the norm of the still-scaled gradients."""
+    and drops the norm it returns (engine.clip_fp32_gradients; without clipping it computes none: NaN); ZeRO-0 in
+    fp16 (fp16/unfused_optimizer.py: torch's AdamW is not DeepSpeed's FusedAdam) keeps the still-scaled norm."""
     from deepspeed.runtime.utils import clip_grad_norm_
 
     optimizer = engine.optimizer
