@@ -107,16 +107,15 @@ def test_a_document_in_a_packed_block_sees_only_itself(tiny, tokenizer, attentio
         with torch.no_grad():
             packed = model(**inputs).logits
             worst = 0.0
-            for r in range(len(rows)):
-                pos = inputs["position_ids"][r]
-                starts = (pos == 0).nonzero().flatten().tolist()
-                n = int(train.lengths[rows[r]])
-                for a, b in zip(starts, starts[1:] + [n]):
-                    b = min(b, n)
-                    if a >= n:
-                        break
-                    alone = model(input_ids=inputs["input_ids"][r:r + 1, a:b]).logits[0]
+            for r, i in enumerate(rows):  # the boundaries from the documents packed, not from the batch itself
+                a = 0
+                for doc in documents_of(train, i):
+                    b = a + len(doc)
+                    assert inputs["input_ids"][r, a:b].tolist() == doc
+                    assert inputs["position_ids"][r, a:b].tolist() == list(range(len(doc)))  # restart per document
+                    alone = model(input_ids=torch.tensor([doc])).logits[0]
                     worst = max(worst, (alone - packed[r, a:b]).abs().max().item())
+                    a = b
         assert worst < 1e-5, (name, attention, worst)
 
 

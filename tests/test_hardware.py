@@ -103,21 +103,24 @@ def test_attention_implementation_for_the_hardware():
 
 def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
     """What FlashAttention's varlen path is given: one padding-free row, a boundary at every document."""
-    from test_data import data_args
+    from test_data import data_args, documents_of
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
     train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
+    rows = [i for i in range(len(train)) if len(documents_of(train, i)) >= 2][:3]  # blocks of several documents
     flash = argparse.Namespace(_attn_implementation="flash_attention_2")
-    inputs, (labels, index) = train.batch([0, 1, 2], tokenizer.pad_token_id, torch.device("cpu"), flash)
-    padded, (padded_labels, _) = train.batch([0, 1, 2], tokenizer.pad_token_id, torch.device("cpu"), None)
-    real = torch.arange(padded["input_ids"].shape[1])[None] < torch.as_tensor(train.lengths[[0, 1, 2]])[:, None]
-    assert inputs["input_ids"].shape == (1, int(train.lengths[[0, 1, 2]].sum())) and "attention_mask" not in inputs
+    inputs, (labels, index) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), flash)
+    padded, (padded_labels, _) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), None)
+    real = torch.arange(padded["input_ids"].shape[1])[None] < torch.as_tensor(train.lengths[rows])[:, None]
+    assert inputs["input_ids"].shape == (1, int(train.lengths[rows].sum())) and "attention_mask" not in inputs
     assert inputs["input_ids"][0].tolist() == padded["input_ids"][real].tolist()
     assert labels[0].tolist() == padded_labels[real].tolist()
     cu = inputs["cu_seq_lens_q"].tolist()
-    starts = torch.nonzero(inputs["position_ids"][0] == 0).flatten().tolist()
-    assert cu == starts + [inputs["input_ids"].shape[1]] and inputs["max_length_q"] == max(np.diff(cu))
+    lengths = [len(d) for i in rows for d in documents_of(train, i)]  # the documents packed, end to end
+    assert cu == np.cumsum([0] + lengths).tolist() and inputs["max_length_q"] == max(lengths)
+    positions = inputs["position_ids"][0].tolist()
+    assert positions == [p for n in lengths for p in range(n)]  # restarting at every document
     assert inputs["cu_seq_lens_q"].dtype == torch.int32
 
 
