@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import assert_close_losses, base_args, check, launch, load_script, results, weights
-from test_single import crash_after_first_checkpoint
+from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
 LORA = {"--lora-rank": 8, "--lora-alpha": 16, "--lr": 5e-3}
@@ -55,19 +55,35 @@ def test_only_the_adapters_train_and_the_exports_load(tiny, reference):
     assert loaded.model.decoder.layers[0].fc1.weight.shape == original["model.decoder.layers.0.fc1.weight"].shape
 
 
-@pytest.mark.parametrize("stage, extra", [(2, []), (3, ["--gradient-checkpointing"])])
-def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, extra):
+@pytest.mark.parametrize("stage, offload, resume_on", [(0, "none", None), (1, "cpu", None), (2, "none", "python"),
+                                                      (3, "none", "deepspeed")])
+def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, offload, resume_on):
+    """Every stage, offload (at stage 1), and resume: at stage 2 on one rank (another number of ranks), at stage 3
+    (with gradient checkpointing) on the same two."""
     out = tmp_path / "run"
-    argv = lora_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage})
-    check(launch("deepspeed", "zero-optimization.py", argv + ["--deepspeed", *extra]))
-    assert_close_losses(results(reference)["losses"], results(out)["losses"])
-    mine, want = adapter(out), adapter(reference)
-    assert mine.keys() == want.keys()
-    for k in want:  # full shapes, gathered from the shards; the same values
-        assert mine[k].shape == want[k].shape and (mine[k] - want[k]).abs().max() <= 1e-5, k
-    final, ref_final = weights(out / "final"), weights(reference / "final")
-    assert final.keys() == ref_final.keys() and "lm_head.weight" not in final  # the head tied to the embeddings
-    assert all((final[k] - ref_final[k]).abs().max() <= 1e-5 for k in ref_final)
+    argv = lora_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--offload": offload})
+    argv += ["--deepspeed"] + (["--gradient-checkpointing"] if stage == 3 else [])
+    check(launch("deepspeed", "zero-optimization.py", argv))
+    ref = results(reference)
+    for resumed in (False, True) if resume_on else (False,):
+        if resumed:
+            crash_after_first_checkpoint(out)
+            one_rank = ["--batch-size", "4"] if resume_on == "python" else []  # the same global batch on one rank
+            check(launch(resume_on, "zero-optimization.py", argv + one_rank + ["--resume"]))
+            assert_resumed(out)
+        r = results(out)
+        assert r["ran"] == {"weights_dtype": "float32", "gradient_checkpointing": stage == 3, "zero_stage": stage,
+                            "engine_precision": "fp32",
+                            "optimizer": "DeepSpeedCPUAdam on cpu" if offload == "cpu" else "AdamW on cpu"}
+        assert_close_losses(ref["losses"], r["losses"])
+        assert_close_losses(ref["grad_norms"], r["grad_norms"])
+        mine, want = adapter(out), adapter(reference)
+        assert mine.keys() == want.keys()
+        for k in want:  # full shapes, gathered from the shards; the same values
+            assert mine[k].shape == want[k].shape and (mine[k] - want[k]).abs().max() <= 1e-5, k
+        final, ref_final = weights(out / "final"), weights(reference / "final")
+        assert final.keys() == ref_final.keys() and "lm_head.weight" not in final  # the head tied to the embeddings
+        assert all((final[k] - ref_final[k]).abs().max() <= 1e-5 for k in ref_final)
 
 
 def test_lora_resume_gives_the_uninterrupted_run(tiny, tmp_path, reference):
@@ -78,6 +94,7 @@ def test_lora_resume_gives_the_uninterrupted_run(tiny, tmp_path, reference):
     with pytest.raises(SystemExit, match="was written with --lora-rank 8; resume with it"):
         single.main(lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--lora-rank": 4}) + ["--resume"])
     single.main(argv + ["--resume"])
+    assert_resumed(out)
     assert_close_losses(results(reference)["losses"], results(out)["losses"], rtol=1e-6)
     assert all(torch.equal(v, adapter(reference)[k]) for k, v in adapter(out).items())
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from finetune import training
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
                       load_script, results, weights)
-from test_single import crash_after_first_checkpoint
+from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -116,6 +116,7 @@ def test_resume_on_another_number_of_ranks_gives_the_uninterrupted_run(tiny, tmp
     full, full_weights = results(out), weights(out / "final")
     crash_after_first_checkpoint(out)  # latest -> step-2, written by `saved_by` ranks
     resumed = run(resumed_on, "--resume")
+    assert_resumed(out)
     assert f"step-2 was written by {saved_by} ranks and loaded on {resumed_on}: " in resumed.stdout
     universal = out / "checkpoints" / "step-2" / "universal"
     if stage == 0:  # nothing is sharded: the checkpoint loads as it is

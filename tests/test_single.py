@@ -71,6 +71,12 @@ def crash_after_first_checkpoint(out):
     shutil.rmtree(out / "final")
     shutil.rmtree(out / "checkpoints" / "step-4")
     (out / "checkpoints" / "latest").write_text("step-2")
+    (out / "checkpoints" / "step-2" / "resume-from-here").touch()  # gone if a run saves step-2 again
+
+
+def assert_resumed(out):
+    """The run continued from step-2 rather than starting over (which would give the same numbers, and rewrite it)."""
+    assert (out / "checkpoints" / "step-2" / "resume-from-here").exists() and (out / "final").is_dir()
 
 
 def test_resume_continues_with_identical_losses(tmp_path, tiny):
@@ -88,6 +94,7 @@ def test_resume_continues_with_identical_losses(tmp_path, tiny):
     with pytest.raises(SystemExit, match="holds an unfinished run; pass --resume"):
         single.main(argv)
     single.main(argv + ["--resume"])
+    assert_resumed(out)
     resumed = results(out)
     assert len(resumed["losses"]) == 4
     assert resumed["losses"] == full["losses"] and resumed["grad_norms"] == full["grad_norms"]

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import (assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results,
                       weights)
-from test_single import crash_after_first_checkpoint
+from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
 ZERO = "zero-optimization.py"
@@ -116,6 +116,7 @@ def test_zero3_resume_continues_with_identical_losses(tiny, tmp_path):
     full, full_weights = results(out), weights(out / "final")
     crash_after_first_checkpoint(out)
     check(launch("deepspeed", ZERO, argv + ["--resume"]))
+    assert_resumed(out)
     resumed = results(out)
     assert_close_losses(full["losses"], resumed["losses"], rtol=1e-6)
     assert_same_weights(full_weights, weights(out / "final"), atol=1e-6)
