@@ -61,30 +61,37 @@ def assert_same_training(one, two, resumed_at=None):
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
 
 
-def test_two_processes_with_each_shipped_config(sentiment, tmp_path):
-    """ZeRO-2 and ZeRO-3 on 2 ranks train the same (the Trainer samples the batches of 2 processes differently from
-    one's, so the comparison is between the two configs)."""
+@pytest.fixture(scope="module")
+def two_ranks(sentiment, tmp_path_factory):
+    """Each shipped config on 2 ranks, micro-batch 8: the global batch of the one-process run."""
     runs = {}
     for config in ("ds_config_zero2.json", "ds_config_zero3.json"):
-        out = tmp_path / config
+        out = tmp_path_factory.mktemp(config) / "run"
         args = argv(sentiment, out, "--deepspeed", config)
-        args[args.index("--batch-size") + 1] = "8"  # 2 x 8: the global batch of the one-process test
-        run = check(launch("deepspeed", "sequence_classification.py", args))
-        r = runs[config] = results(out)
+        args[args.index("--batch-size") + 1] = "8"
+        runs[config] = args, out, check(launch("deepspeed", "sequence_classification.py", args))
+    return runs
+
+
+def test_two_processes_with_each_shipped_config(two_ranks):
+    """ZeRO-2 and ZeRO-3 on 2 ranks train the same (the Trainer samples the batches of 2 processes differently from
+    one's, so the comparison is between the two configs)."""
+    for config, (_, out, run) in two_ranks.items():
+        r = results(out)
         assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
         assert "accuracy" in run.stdout and ("positive (" in run.stdout or "negative (" in run.stdout)
         classify = pipeline("text-classification", model=str(out / "final"))  # gathered from the shards under ZeRO-3
         assert classify("Our server was friendly. I would come back.")[0]["label"] in {"negative", "positive"}
-    assert_same_training(*runs.values())
+    assert_same_training(*(results(out) for _, out, _ in two_ranks.values()))
 
 
-def test_resume_after_a_crash_and_on_another_number_of_ranks(sentiment, tmp_path):
-    """ZeRO-2 on 2 ranks, 1 epoch per checkpoint; a crash after the first; a resume on 1 rank is one line (the Trainer
-    loads DeepSpeed's shards as they are), a resume on 2 finishes the run."""
+def test_resume_after_a_crash_and_on_another_number_of_ranks(two_ranks, tmp_path):
+    """ZeRO-3 on 2 ranks, 1 epoch per checkpoint; a crash after the first; a resume on 1 rank is one line (the Trainer
+    loads DeepSpeed's shards as they are), a resume on 2 finishes the run as the uninterrupted one did."""
+    args, finished, _ = two_ranks["ds_config_zero3.json"]
     out = tmp_path / "run"
-    args = argv(sentiment, out, "--deepspeed", "ds_config_zero2.json")
-    args[args.index("--batch-size") + 1] = "8"
-    check(launch("deepspeed", "sequence_classification.py", args))
+    shutil.copytree(finished, out)
+    args = [str(out) if a == str(finished) else a for a in args]
     uninterrupted = results(out)
     first = sorted((out / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
     for done in [out / "results.json", out / "final", *(p for p in (out / "checkpoints").glob("checkpoint-*")
