@@ -383,7 +383,8 @@ class Blocks:
         self.starts, self.lengths, self.predicted, self.attended = (table[:, i] for i in range(4))
         self.format, self.examples, self.cut = meta["format"], meta.get("examples", []), meta[folder.name]["cut"]
         if len(self.starts) == 0 or self.predicted.sum() == 0:
-            fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked everywhere)")
+            cut = f"; {self.cut} documents were cut at the block size: raise --block-size" if self.cut else ""
+            fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked everywhere{cut})")
 
     def __len__(self):
         return len(self.starts)

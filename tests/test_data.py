@@ -217,6 +217,14 @@ def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message
     assert [p.suffix for p in data.CACHE.iterdir()] == [".failed"]
 
 
+def test_answers_cut_off_by_the_block_are_one_line(tmp_path, tiny, tokenizer, monkeypatch):
+    """One chat per row, cut at 16 tokens: every answer is beyond the cut, nothing carries loss."""
+    monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
+    with pytest.raises(SystemExit, match=r"loss masked everywhere; \d+ documents were cut at the block size: raise "
+                                         r"--block-size\)$"):
+        data.prepare(data_args(tiny["chats"], block_size=16, packing="none"), tokenizer)
+
+
 def test_formats_from_the_columns_and_the_flags():
     a = lambda **kw: data_args("d", **kw)
     assert data.find_format(["text", "label"], a())[0] == "text"

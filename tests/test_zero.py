@@ -33,14 +33,18 @@ def chats(tiny):
 
 @pytest.fixture(scope="module")
 def reference(tiny, tmp_path_factory):
-    """One process, micro-batch 4 x 2 micro-steps: the global batch of 2 ranks x micro-batch 2 x 2 micro-steps; on
-    the text corpus and on the chats."""
+    """One process, micro-batch 4 x 2 micro-steps: the global batch of 2 ranks x micro-batch 2 x 2 micro-steps, on
+    the text corpus with these flags: (results, final weights), each run once, when first asked for."""
     runs = {}
-    for name, extra in (("text", {}), ("chats", chats(tiny))):
-        out = tmp_path_factory.mktemp(f"reference-{name}")
-        single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, **extra}))
-        runs[name] = results(out), weights(out / "final")
-    return runs
+
+    def run(**flags):
+        key = tuple(sorted(flags.items()))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("reference")
+            single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, **flags}))
+            runs[key] = results(out), weights(out / "final")
+        return runs[key]
+    return run
 
 
 @pytest.mark.parametrize("launcher, stage, offload", [
@@ -48,13 +52,12 @@ def reference(tiny, tmp_path_factory):
     ("deepspeed", 2, "cpu"), ("torchrun", 3, "cpu"),
 ])
 def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage, offload):
-    """Folded in, what must not change the numbers: ZeRO-1 with the plain loss (--loss-chunk 0), full fine-tuning
-    with gradient checkpointing at ZeRO-3."""
-    out, data = tmp_path / "run", "text" if stage < 2 else "chats"
-    checkpointing = stage == 3 and offload == "none"
-    plain_loss = {"--loss-chunk": 0} if stage == 1 else {}
+    """Folded in, what must not change the numbers: stream packing (ZeRO-0), one padded document per row (--packing
+    none) with the plain loss (--loss-chunk 0) at ZeRO-1, full fine-tuning with gradient checkpointing (ZeRO-3)."""
+    out, checkpointing = tmp_path / "run", stage == 3 and offload == "none"
+    same = {0: {"--packing": "stream"}, 1: {"--packing": "none", "--block-size": 64}}.get(stage) or chats(tiny)
     argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--offload": offload,
-                                   **plain_loss, **(chats(tiny) if data == "chats" else {})})
+                                   **({"--loss-chunk": 0} if stage == 1 else {}), **same})
     argv += ["--gradient-checkpointing"] if checkpointing else []
     env = {}
     if offload == "none" and stage in (2, 3):  # a machine that never built an op: DeepSpeed compiles no optimizer
@@ -63,7 +66,7 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage,
     if env:
         built = {p.name for p in Path(env["TORCH_EXTENSIONS_DIR"]).iterdir()}
         assert built <= {"deepspeed_shm_comm"}, built  # CPU runs only: DeepSpeed's CPU all-reduce, not an optimizer
-    ref, ref_weights = reference[data]
+    ref, ref_weights = reference(**same)
     if launcher == "deepspeed":  # each rank removed DeepSpeed's shared-memory buffer (it never does)
         assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{run.port}_*"))
     r = results(out)
@@ -100,7 +103,7 @@ def test_bf16_under_zero_tracks_the_single_process_bf16_run(tiny, tmp_path, refe
     argv = base_args(tiny, tmp_path / "two", **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage,
                                                 "--precision": "bf16"})
     check(launch("deepspeed", ZERO, argv + ["--deepspeed"]))
-    one, two, fp32 = results(tmp_path / "one"), results(tmp_path / "two"), reference["text"][0]
+    one, two, fp32 = results(tmp_path / "one"), results(tmp_path / "two"), reference()[0]
     assert two["ran"]["engine_precision"] == "bf16" and two["ran"]["weights_dtype"] == "bfloat16"
     assert two["ran"]["zero_stage"] == stage
     assert_close_losses(one["losses"], two["losses"], rtol=1e-4)
@@ -135,8 +138,8 @@ def test_compile_changes_the_kernels_not_the_run(tiny, tmp_path, reference, scri
     check(launch("deepspeed" if script == ZERO else "python", script, argv + ["--compile"],
                  env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
     assert len(list(cache.rglob("*.py"))) > 0  # inductor generated the kernels: the model did run compiled
-    assert_close_losses(reference["text"][0]["losses"], results(out)["losses"])
-    assert_same_weights(reference["text"][1], weights(out / "final"))
+    assert_close_losses(reference()[0]["losses"], results(out)["losses"])
+    assert_same_weights(reference()[1], weights(out / "final"))
 
 
 def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
@@ -145,7 +148,7 @@ def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
     check(launch("python", ZERO, argv))
     r = results(out)
     assert r["world_size"] == 1
-    assert_close_losses(reference["text"][0]["losses"], r["losses"])
+    assert_close_losses(reference()[0]["losses"], r["losses"])
 
 
 def test_demo_under_the_deepspeed_launcher(tmp_path):
