@@ -141,6 +141,8 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
         else:
             zero.pop("offload_param", None)
     check_offload(zero)
+    from deepspeed.accelerator import get_accelerator
+    check_precision(args.precision, get_accelerator())
     if zero.get("offload_param", {}).get("device") == "nvme":
         size_swap_buffers(config, path, largest_parameter(model_config), world_size, 4 if args.precision in
                           ("fp32", "tf32") else 2)
@@ -273,6 +275,17 @@ def check_offload(zero):
     if zero.get("offload_optimizer", {}).get("device") == "nvme" and zero.get("stage", 0) != 3:
         fail(f"--offload nvme needs ZeRO stage 3 (at stage {zero.get('stage', 0)} DeepSpeed would quietly use CPU "
              f"memory instead); pass --zero-stage 3, or --offload cpu")
+
+
+def check_precision(precision, accelerator):
+    """deepspeed.initialize refuses a 16-bit type its accelerator says it lacks with a traceback: fp16 on a CPU
+    without oneDNN's fp16 kernels (this machine), on a Pascal GPU (compute capability 6, unless
+    DS_ALLOW_DEPRECATED_FP16=1), bf16 on GPUs before Ampere."""
+    supported = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}.get(precision)
+    if supported is not None and not supported():
+        other = "bf16" if precision == "fp16" and accelerator.is_bf16_supported() else "fp32"
+        fail(f"--precision {precision}: DeepSpeed does not train in {precision} on this "
+             f"{accelerator.device_name()} device; pass --precision {other}")
 
 
 def _walk(node, prefix=""):

@@ -51,6 +51,32 @@ def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect)
     assert {k: params[k] for k in ("torch_adam", "fused") if k in params} == expect
 
 
+@pytest.mark.parametrize("fp16, bf16, precision, message", [
+    (False, True, "fp16", "--precision fp16: DeepSpeed does not train in fp16 on this cpu device; pass --precision "
+                          "bf16"),
+    (True, False, "bf16", "--precision bf16: DeepSpeed does not train in bf16 on this cpu device; pass --precision "
+                          "fp32"),
+    (None, False, "fp16", "pass --precision fp32"),  # DeepSpeed's CPU accelerator answers None for no
+    (False, False, "fp32", None), (True, True, "fp16", None), (True, True, "bf16", None),
+])
+def test_a_precision_the_device_lacks_is_one_line(fp16, bf16, precision, message):
+    device = types.SimpleNamespace(is_fp16_supported=lambda: fp16, is_bf16_supported=lambda: bf16,
+                                   device_name=lambda: "cpu")
+    if message is None:
+        zero.check_precision(precision, device)
+    else:
+        with pytest.raises(SystemExit, match="^error: ") as e:
+            zero.check_precision(precision, device)
+        assert message in str(e.value)
+
+
+def test_the_config_asks_deepspeeds_own_accelerator(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: None)  # this CPU, and most
+    with pytest.raises(SystemExit, match="does not train in fp16 on this cpu device; pass --precision bf16"):
+        zero.deepspeed_config(ds_args(precision="fp16"), 1, 10, 1, shape(8))
+
+
 def test_overrides_and_offload():
     section = zero.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, shape(8))["zero_optimization"]
     assert section["offload_optimizer"]["device"] == "cpu" and section["offload_param"]["device"] == "cpu"

@@ -1,12 +1,14 @@
 """zero-optimization.py under the real launchers on 2 CPU processes (gloo): the same losses and weights as
 single-gpu.py on the same global batches, for every ZeRO stage and offload; sharding, export, resume, errors."""
+import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import (assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results,
-                      weights)
+from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, launch, load_script,
+                      results, weights)
 from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
@@ -110,6 +112,46 @@ def test_bf16_under_zero_tracks_the_single_process_bf16_run(tiny, tmp_path, refe
     assert_close_losses(one["grad_norms"], two["grad_norms"], rtol=1e-2)  # measured 2.6e-3; a scale error is 1.0
     gap = max(abs(a - b) / a for a, b in zip(fp32["losses"], two["losses"]))
     assert gap > 1e-5, gap
+
+
+def cpu_fp16(tiny, tmp_path, name, ranks, stage, scale_power=16, **flags):
+    """zero-optimization.py in fp16 through tests/cpu_fp16.py (DeepSpeed refuses fp16 on a CPU without oneDNN's fp16
+    kernels; torch computes it): 16-bit weights, fp32 masters, DeepSpeed's dynamic loss scale from 2^scale_power."""
+    config = json.loads((ROOT / "ds_config_zero3.json").read_text())
+    config["fp16"]["initial_scale_power"] = scale_power
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    argv = base_args(tiny, tmp_path / name, **{"--batch-size": 4 // ranks, "--grad-accum": 2, "--zero-stage": stage,
+                                               "--precision": "fp16", **flags})
+    check(launch("torchrun" if ranks > 1 else "python", "tests/cpu_fp16.py",
+                 [ZERO] + argv + [f"--deepspeed={tmp_path / 'ds.json'}"], nproc=ranks,
+                 env={"FP16_INIT_SCALE": str(2.0 ** scale_power)}))
+    r = results(tmp_path / name)
+    assert r["ran"]["engine_precision"] == "fp16" and r["ran"]["weights_dtype"] == "float16"
+    return r
+
+
+def test_fp16_under_zero3_tracks_the_single_process_fp16_run(tiny, tmp_path):
+    """16-bit weights under ZeRO-3 against autocast over fp32 weights with torch's GradScaler in one process. They
+    round differently: measured 2e-4 apart in the losses and 4e-3 in the norms, as far as either is from fp32 (so no
+    tolerance tells fp16 from fp32 here: what ran is read from the engine). A scale error is a factor of 2 or more."""
+    flags = {"--max-steps": 8, "--save-every": 8, "--warmup-ratio": 0.0, "--lr": 1e-2}
+    single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "fp16",
+                                                     **flags}))
+    one, two = results(tmp_path / "one"), cpu_fp16(tiny, tmp_path, "two", 2, 3, **flags)
+    assert_close_losses(one["losses"], two["losses"], rtol=1e-3)
+    assert_close_losses(one["grad_norms"], two["grad_norms"], rtol=1e-2)
+
+
+def test_fp16_overflows_skip_the_same_steps_on_any_number_of_ranks(tiny, tmp_path):
+    """A first loss scale of 2^20 overflows fp16's gradients at the first steps: ZeRO-2 on 2 ranks skips the same
+    steps as on one (its overflow check spans the ranks' partitions), halving the scale each time, then trains the
+    same (measured 2e-5 apart in the losses, 2e-4 in the norms: fp16 gradients summed in another order)."""
+    flags = {"--max-steps": 8, "--save-every": 8, "--warmup-ratio": 0.0, "--lr": 1e-2}
+    one, two = (cpu_fp16(tiny, tmp_path, name, ranks, 2, 20, **flags) for name, ranks in (("one", 1), ("two", 2)))
+    skipped = [math.isinf(n) for n in one["grad_norms"]]
+    assert skipped[0] and not skipped[-1] and [math.isinf(n) for n in two["grad_norms"]] == skipped
+    assert_close_losses(one["losses"], two["losses"], rtol=1e-4)
+    assert_close_losses(*([n for n, s in zip(r["grad_norms"], skipped) if not s] for r in (one, two)), rtol=1e-3)
 
 
 def test_zero3_resume_continues_with_identical_losses(tiny, tmp_path):
