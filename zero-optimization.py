@@ -129,7 +129,7 @@ def main(argv=None):
     autocast = hardware.autocast(device, "none")  # ZeRO: the engine keeps 16-bit weights itself (and fp32 masters)
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
-    zero.keep_grad_norm(model)  # ZeRO: what ZeRO-0 computes and drops (fp32) or keeps scaled (fp16)
+    zero.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, ZeRO-0's gradient norm
     stats = training.RunStats(config, model, args, device, reduce=dist.all_reduce)  # ZeRO: sums the ranks' losses
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards

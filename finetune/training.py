@@ -21,8 +21,9 @@ from . import hardware, loss
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts, the configs, .demo/
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 # fp16's dynamic loss scale, the same as the ds_config files' "fp16" block: start at 2^16, halve at an overflow (and
-# skip that step), double after 1000 steps without one. DeepSpeed's hysteresis is 1 there: torch has none.
-FP16_SCALER = {"init_scale": 2.0**16, "growth_interval": 1000}
+# skip that step), double after 1001 steps without one (DeepSpeed's loss_scale_window 1000 counts one step more than
+# torch's growth_interval). DeepSpeed's hysteresis is 1 there: torch has none.
+FP16_SCALER = {"init_scale": 2.0**16, "growth_interval": 1001}
 
 
 def fail(message):

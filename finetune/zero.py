@@ -167,7 +167,8 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
         ("fp16.enabled", args.precision == "fp16", "--precision"),
         # the loss scale of single-gpu.py's GradScaler (training.FP16_SCALER), so the pair skips the same steps
         ("fp16.initial_scale_power", int(math.log2(FP16_SCALER["init_scale"])), "training.FP16_SCALER"),
-        ("fp16.loss_scale_window", FP16_SCALER["growth_interval"], "training.FP16_SCALER"),
+        ("fp16.loss_scale_window", FP16_SCALER["growth_interval"] - 1,
+         "training.FP16_SCALER's growth_interval - 1 (DeepSpeed grows the scale one clean step later than torch)"),
         ("fp16.hysteresis", 1, "torch's GradScaler (no hysteresis)"),
     ] + [(f"zero_optimization.{key}", value, None)
          for key, value in tuned_values(zero.get("stage", 0), model_config.hidden_size,
@@ -364,37 +365,62 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
     return target
 
 
-def keep_grad_norm(engine):
-    """Make the engine keep each step's gradient norm before clipping, as single-gpu.py's clip_grad_norm_ returns it.
-    ZeRO-1/2/3 and bf16 keep it themselves (unscaled). ZeRO-0 in fp32 clips with runtime/utils.py's clip_grad_norm_
-    and drops the norm it returns (engine.clip_fp32_gradients; without clipping it computes none: NaN); ZeRO-0 in
-    fp16 (fp16/unfused_optimizer.py: torch's AdamW is not DeepSpeed's FusedAdam) keeps the still-scaled norm."""
+def mend(engine):
+    """Mend, after deepspeed.initialize, what DeepSpeed 0.19.8 gets wrong where single-gpu.py is right:
+    - ZeRO-0 in fp32 clips with runtime/utils.py's clip_grad_norm_ and drops the norm it returns (and computes none
+      without clipping): keep it, for results.json.
+    - ZeRO-0 in fp16 or bf16 (fp16/unfused_optimizer.py: torch's AdamW is not DeepSpeed's FusedAdam): its constructor
+      takes an optimizer step on zero gradients (initialize_optimizer_states), so Adam's step count starts at 1 (the
+      first update 25% short) and weight decay shrinks the fp32 masters once. Undo it.
+    - ZeRO-0 in fp16: engine.backward scales the loss only for ZeRO's optimizers, yet the step divides the gradients
+      by the loss scale, so every update is 2^16 times too small and training stalls (DeepSpeed PR #8393, open).
+      Scale it here; keep the norm unscaled.
+    - fp16 at every stage: a clean step that ends a window grows the scale before it unscales the gradients with it,
+      halving that update (and ZeRO-3's logged norm). torch's GradScaler grows after the update: so does this, and
+      the config's loss_scale_window is one less than its growth_interval (DeepSpeed counts one more clean step)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.utils import clip_grad_norm_
 
     optimizer = engine.optimizer
-    if engine.zero_optimization() or engine.bfloat16_enabled():
-        return
+    stage0 = not isinstance(optimizer, ZeROOptimizer)
+    if isinstance(optimizer, FP16_UnfusedOptimizer):  # ZeRO-0 in fp16 or bf16
+        optimizer.optimizer.state.clear()  # Adam's state begins at the first real step
+        for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+            for master, weight in zip(masters, weights):
+                master.data.copy_(weight.data)  # as before that zero-gradient step's weight decay
     if engine.fp16_enabled():
-        step = optimizer.step
+        scaler = optimizer.loss_scale_config if stage0 else optimizer.loss_scaler  # what holds cur_scale
+        update, step, backward, grown = optimizer._update_scale, optimizer.step, engine.backward, []
 
-        def unscaled_norm_step(*args, **kwargs):
-            scale = optimizer.loss_scale_config.cur_scale  # the scale this step's gradients carry (it may grow in it)
+        def update_after_the_step(overflow=False):
+            scale = scaler.cur_scale
+            update(overflow)
+            if not overflow and scaler.cur_scale != scale:  # grown: this step's gradients still carry `scale`
+                grown.append(scaler.cur_scale)
+                scaler.cur_scale = scale
+
+        def step_then_grow(*args, **kwargs):
             done = step(*args, **kwargs)
-            optimizer._global_grad_norm = optimizer._global_grad_norm / scale
+            if stage0:
+                optimizer._global_grad_norm = optimizer._global_grad_norm / scaler.cur_scale
+            if grown:
+                scaler.cur_scale = grown.pop()
             return done
 
-        optimizer.step = unscaled_norm_step
-        return
+        optimizer._update_scale, optimizer.step = update_after_the_step, step_then_grow
+        if stage0:
+            engine.backward = lambda loss, **kwargs: backward(loss * scaler.cur_scale, **kwargs)
+    elif stage0 and not engine.bfloat16_enabled():
+        def clip_and_keep():  # the engine reads optimizer._global_grad_norm after each step (engine.py)
+            optimizer._global_grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(),
+                                                          mpu=engine.mpu)
 
-    def clip_and_keep():  # the engine reads optimizer._global_grad_norm after each step (engine.py, _take_model_step)
-        optimizer._global_grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(),
-                                                      mpu=engine.mpu)
-
-    engine.clip_fp32_gradients = clip_and_keep
+        engine.clip_fp32_gradients = clip_and_keep
 
 
 def grad_norm(engine):
-    """The last step's gradient norm before clipping (after keep_grad_norm); infinite where fp16 overflowed."""
+    """The last step's gradient norm before clipping (after mend); infinite where fp16 overflowed."""
     norm = engine.get_global_grad_norm()
     return float("nan") if norm is None else norm
 

@@ -33,10 +33,12 @@ def test_auto_values_come_from_the_flags():
     assert config["gradient_clipping"] == 1.0
     assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
     assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
-    # fp16: the loss scale of single-gpu.py's GradScaler, so both skip the same steps
-    assert (2 ** config["fp16"]["initial_scale_power"], config["fp16"]["loss_scale_window"],
+    # fp16: the loss scale of single-gpu.py's GradScaler, so both skip the same steps (DeepSpeed grows it after
+    # loss_scale_window + 1 clean steps, torch after growth_interval)
+    assert (2 ** config["fp16"]["initial_scale_power"], config["fp16"]["loss_scale_window"] + 1,
             config["fp16"]["hysteresis"]) == (training.FP16_SCALER["init_scale"],
                                               training.FP16_SCALER["growth_interval"], 1)
+    assert config["fp16"]["loss_scale_window"] == 1000  # DeepSpeed's default, as shipped
 
 
 @pytest.mark.parametrize("cuda, offload, expect", [

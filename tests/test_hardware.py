@@ -183,22 +183,3 @@ def test_a_universal_resume_puts_each_step_where_adamw_reads_it(fused, where):
         assert all(t.device == p.device for k, t in state.items() if k != "step" or fused)
     if where == "cpu":
         assert steps[0].item() == 7.0
-
-
-def test_zero0_fp16_reports_the_unscaled_gradient_norm():
-    """ZeRO-0 in fp16 (DeepSpeed's unfused fp16 optimizer, a GPU-only path) keeps the norm of the still-scaled
-    gradients, and may grow the scale within the same step: the norm is divided by the scale the gradients carried."""
-    scaler = argparse.Namespace(cur_scale=1024.0)
-
-    class Unfused:  # what fp16/unfused_optimizer.py's step does to these two values
-        loss_scale_config, _global_grad_norm = scaler, 0.0
-
-        def step(self):
-            self._global_grad_norm = 3.0 * scaler.cur_scale  # the norm of the scaled gradients
-            scaler.cur_scale *= 2  # a step that ends a window without overflow grows the scale before returning
-
-    engine = argparse.Namespace(optimizer=Unfused(), zero_optimization=lambda: False, bfloat16_enabled=lambda: False,
-                                fp16_enabled=lambda: True)
-    zero.keep_grad_norm(engine)
-    engine.optimizer.step()
-    assert engine.optimizer._global_grad_norm == 3.0

@@ -94,7 +94,7 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage,
         assert_same_weights({k: consolidated[k] for k in final}, final, atol=0)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_bf16_under_zero_tracks_the_single_process_bf16_run(tiny, tmp_path, reference, stage):
     """bf16, what users run on GPUs, on CPU: the engine's bf16 weights (fp32 masters) against autocast over fp32
     weights in one process. They round differently (layer norms, the engine's 16-bit copy): measured 4e-5 apart in
@@ -114,30 +114,37 @@ def test_bf16_under_zero_tracks_the_single_process_bf16_run(tiny, tmp_path, refe
     assert gap > 1e-5, gap
 
 
-def cpu_fp16(tiny, tmp_path, name, ranks, stage, scale_power=16, **flags):
+def cpu_fp16(tiny, tmp_path, name, ranks, stage, scale_power=16, growth=1001, **flags):
     """zero-optimization.py in fp16 through tests/cpu_fp16.py (DeepSpeed refuses fp16 on a CPU without oneDNN's fp16
-    kernels; torch computes it): 16-bit weights, fp32 masters, DeepSpeed's dynamic loss scale from 2^scale_power."""
+    kernels; torch computes it): 16-bit weights, fp32 masters, DeepSpeed's dynamic loss scale from 2^scale_power,
+    doubled after `growth` clean steps."""
     config = json.loads((ROOT / "ds_config_zero3.json").read_text())
-    config["fp16"]["initial_scale_power"] = scale_power
+    config["fp16"].update(initial_scale_power=scale_power, loss_scale_window=growth - 1)
     (tmp_path / "ds.json").write_text(json.dumps(config))
     argv = base_args(tiny, tmp_path / name, **{"--batch-size": 4 // ranks, "--grad-accum": 2, "--zero-stage": stage,
                                                "--precision": "fp16", **flags})
     check(launch("torchrun" if ranks > 1 else "python", "tests/cpu_fp16.py",
                  [ZERO] + argv + [f"--deepspeed={tmp_path / 'ds.json'}"], nproc=ranks,
-                 env={"FP16_INIT_SCALE": str(2.0 ** scale_power)}))
+                 env={"FP16_INIT_SCALE": str(2.0 ** scale_power), "FP16_GROWTH_INTERVAL": str(growth)}))
     r = results(tmp_path / name)
     assert r["ran"]["engine_precision"] == "fp16" and r["ran"]["weights_dtype"] == "float16"
     return r
 
 
-def test_fp16_under_zero3_tracks_the_single_process_fp16_run(tiny, tmp_path):
-    """16-bit weights under ZeRO-3 against autocast over fp32 weights with torch's GradScaler in one process. They
-    round differently: measured 2e-4 apart in the losses and 4e-3 in the norms, as far as either is from fp32 (so no
-    tolerance tells fp16 from fp32 here: what ran is read from the engine). A scale error is a factor of 2 or more."""
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_under_zero_tracks_the_single_process_fp16_run(tiny, tmp_path, monkeypatch, stage):
+    """16-bit weights under ZeRO against autocast over fp32 weights with torch's GradScaler in one process, the loss
+    scale doubling every 3 clean steps. They round differently: measured 2e-4 apart in the losses and 4e-3 in the
+    norms, as far as either is from fp32 (so no tolerance tells fp16 from fp32 here: what ran is read from the
+    engine). What DeepSpeed 0.19.8 gets wrong is a factor of 2 or more: ZeRO-0 leaves the loss unscaled in backward
+    (updates 2^-16 times too small), and every stage grows the scale before unscaling with it (zero.mend)."""
+    from finetune import training
+    monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 10)
+    monkeypatch.setitem(training.FP16_SCALER, "growth_interval", 3)
     flags = {"--max-steps": 8, "--save-every": 8, "--warmup-ratio": 0.0, "--lr": 1e-2}
     single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "fp16",
                                                      **flags}))
-    one, two = results(tmp_path / "one"), cpu_fp16(tiny, tmp_path, "two", 2, 3, **flags)
+    one, two = results(tmp_path / "one"), cpu_fp16(tiny, tmp_path, "two", 2, stage, 10, 3, **flags)
     assert_close_losses(one["losses"], two["losses"], rtol=1e-3)
     assert_close_losses(one["grad_norms"], two["grad_norms"], rtol=1e-2)
 
