@@ -35,6 +35,10 @@ def parse_args(argv=None):
     p.add_argument("--packing", default="isolated", choices=["isolated", "stream", "none"],
                    help="isolated: whole documents per block, each attending to itself; stream: cut a stream")
     p.add_argument("--max-train-samples", type=int, default=0, help="train on the first N rows only (0: all)")
+    p.add_argument("--eval-dataset", help="a file as --dataset takes, or hub name[:split] (default: the dataset's "
+                                          "validation or test split, else --eval-fraction of its rows)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="share of the rows held out to evaluate on")
+    p.add_argument("--max-eval-samples", type=int, default=1000, help="evaluate on N rows drawn once (0: all)")
     p.add_argument("--num-proc", type=int, default=0, help="processes that tokenize (0: the cores)")
     # model (To-Do: your model; --lora-rank 16 when full fine-tuning does not fit; checkpointing for activations)
     p.add_argument("--model", default="facebook/opt-125m", help="hub id or local folder of a causal LM")
@@ -62,6 +66,7 @@ def parse_args(argv=None):
     # run
     p.add_argument("--output-dir", default="out/zero")  # ZeRO
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
+    p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between evals (0: at the end only)")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints (0: none)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
@@ -163,6 +168,11 @@ def main(argv=None):
 
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))
+        if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
+            with stats.paused() as spent:
+                result = training.evaluate(model, evals, args, tokenizer.pad_token_id, device, config, autocast,
+                                           rank, world_size)  # every rank its share of the eval set
+            say(stats.eval_line(step, result, spent[0]))
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
                 tag, ckpt = f"step-{step + 1}", out / "checkpoints"
@@ -174,23 +184,18 @@ def main(argv=None):
                 dist.barrier()  # ZeRO: every rank has finished writing
                 if rank == 0:  # what a resume checks, the arguments, the code's version
                     training.write_json(ckpt / f".tmp-{tag}" / "run.json",
-                                        training.run_record(step + 1, args, global_batch, world_size, model))
+                                        training.run_record(step + 1, args, global_batch, world_size, model, stats))
                     training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
 
-    # -------------------------------------------------------------------------------- evaluate
+    # -------------------------------------------------------------------------------- sample
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
-    sums = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, device, config, autocast, rank,
-                                   world_size)
-    dist.all_reduce(sums)  # ZeRO: each rank evaluated its share
-    eval_loss = (sums[0] / sums[1]).item()
-    say(f"eval loss {eval_loss:.4f} | perplexity {training.perplexity(eval_loss):.2f} | {int(sums[1])} tokens")
     sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
 
     # -------------------------------------------------------------------------------- save (rank 0 writes alone)
     final = out / "final"
     state = zero.gathered_state_dict(model)  # ZeRO: the last collective: the shards, whole, on rank 0
     del hf_ds_config  # ZeRO: from here on transformers builds whole models again (rank 0 merges LoRA on its own)
-    results = {**stats.results(eval_loss, world_size, global_batch, held), "sample": sample}
+    results = {**stats.results(world_size, global_batch, held), "sample": sample}
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model.module, tokenizer, final, state)  # ZeRO: the engine wraps the model
         training.write_json(out / "results.json", results)

@@ -40,9 +40,44 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '### Assistant:\\n' }}{%- endif %}")
 
 
-def load_splits(name, config_name=None, seed=0, max_train_samples=0, eval_fraction=0.05):
-    """Train and eval splits of a hub dataset (with its subset, `config_name`) or a local file; an eval split is
-    carved from the training rows when there is none."""
+def load_splits(name, config_name=None, seed=0, max_train_samples=0, eval_fraction=0.05, eval_name=None,
+                max_eval_samples=0):
+    """Train and eval splits of a hub dataset (with its subset, `config_name`) or a local file. The eval split:
+    `eval_name` (a local file, or a hub name with an optional :split), else the dataset's validation or test split,
+    else `eval_fraction` of the training rows; at most `max_eval_samples` rows of it, drawn once with the seed."""
+    data = _load(name, config_name)
+    train, evaluation = data["train"], data.get("validation") or data.get("test")
+    if len(train) == 0:
+        fail(f"dataset {name} is empty")
+    if eval_name:
+        evaluation = _eval_split(eval_name)
+    elif evaluation is None:
+        if len(train) < 2:
+            fail(f"dataset {name} has {len(train)} row: too few to carve an eval split")
+        parts = train.train_test_split(test_size=max(1, int(len(train) * eval_fraction)), seed=seed)
+        train, evaluation = parts["train"], parts["test"]
+    if max_train_samples > 0:  # a quick run on a slice
+        train = train.select(range(min(max_train_samples, len(train))))
+    if 0 < max_eval_samples < len(evaluation):  # the same rows at every eval, and on a resume
+        evaluation = evaluation.shuffle(seed=seed).select(range(max_eval_samples))
+    return train, evaluation
+
+
+def _eval_split(eval_name):
+    path = Path(eval_name)
+    name, split = (eval_name, None) if path.suffix in LOCAL_FORMATS or path.exists() else (
+        eval_name.split(":", 1) if ":" in eval_name else (eval_name, None))
+    data = _load(name, None)
+    if split is None:  # a file's rows (its one split), or the hub dataset's validation or test split
+        split = next((s for s in ("validation", "test", "train") if s in data), None)
+    if split not in data:
+        fail(f"--eval-dataset {eval_name}: no split {split!r} (it has {', '.join(data)}); name one as {name}:SPLIT")
+    if len(data[split]) == 0:
+        fail(f"--eval-dataset {eval_name} is empty")
+    return data[split]
+
+
+def _load(name, config_name):
     import datasets
 
     path = Path(name)
@@ -52,9 +87,8 @@ def load_splits(name, config_name=None, seed=0, max_train_samples=0, eval_fracti
                 fail(f"dataset file {name} does not exist; pass a .csv/.json/.jsonl/.txt/.parquet file or a hub name")
             if path.suffix not in LOCAL_FORMATS:
                 fail(f"cannot read {name}: use a .csv, .json, .jsonl, .txt or .parquet file")
-            data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), writer_batch_size=BATCH)
-        else:
-            data = datasets.load_dataset(name, config_name, writer_batch_size=BATCH)
+            return datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), writer_batch_size=BATCH)
+        return datasets.load_dataset(name, config_name, writer_batch_size=BATCH)
     except SystemExit:
         raise
     except Exception as e:  # offline, unknown name, malformed or empty file: all end here
@@ -63,17 +97,6 @@ def load_splits(name, config_name=None, seed=0, max_train_samples=0, eval_fracti
             fail(f"could not read {name} ({first}); is it a non-empty {path.suffix} file?")
         fail(f"could not load dataset {name!r} ({first}); check the name (and --dataset-config), the network, or "
              f"pass a local file")
-    train, evaluation = data["train"], data.get("validation") or data.get("test")
-    if len(train) == 0:
-        fail(f"dataset {name} is empty")
-    if evaluation is None:
-        if len(train) < 2:
-            fail(f"dataset {name} has {len(train)} row: too few to carve an eval split")
-        parts = train.train_test_split(test_size=max(1, int(len(train) * eval_fraction)), seed=seed)
-        train, evaluation = parts["train"], parts["test"]
-    if max_train_samples > 0:  # a quick run on a slice
-        train = train.select(range(min(max_train_samples, len(train))))
-    return train, evaluation
 
 
 def find_format(columns, args):
@@ -314,11 +337,11 @@ def cache_key(args, tokenizer):
     special tokens and chat template) and every flag that changes the tokens or their loss."""
     h = hashlib.sha256()
     path = Path(args.dataset)
-    stamp = (path.stat().st_size, path.stat().st_mtime_ns) if path.is_file() else None
-    h.update(json.dumps([VERSION, str(path.resolve()) if path.is_file() else args.dataset, stamp,
-                         args.dataset_config, args.max_train_samples, args.seed, args.block_size, args.packing,
-                         args.train_on_prompt, args.text_column, args.prompt_column, args.completion_column,
-                         args.messages_column]).encode())
+    where = lambda p: [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [str(p)]
+    h.update(json.dumps([VERSION, where(path), args.dataset_config, args.max_train_samples, args.seed, args.block_size,
+                         args.packing, args.train_on_prompt, args.text_column, args.prompt_column,
+                         args.completion_column, args.messages_column, args.eval_fraction, args.max_eval_samples,
+                         where(Path(args.eval_dataset)) if args.eval_dataset else None]).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else str(sorted(tokenizer.get_vocab().items()))).encode())
     h.update(json.dumps([tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token]).encode())
@@ -330,8 +353,14 @@ def _prepare(args, tokenizer, folder, partial):
 
     if tokenizer.eos_token_id is None:
         fail("the tokenizer has no EOS token; set tokenizer.eos_token before training")
-    train, evaluation = load_splits(args.dataset, args.dataset_config, args.seed, args.max_train_samples)
+    train, evaluation = load_splits(args.dataset, args.dataset_config, args.seed, args.max_train_samples,
+                                    args.eval_fraction, args.eval_dataset, args.max_eval_samples)
     fmt, names = find_format(train.column_names, args)
+    if args.eval_dataset:  # found from its columns the same way: it must be the same kind of data
+        eval_fmt, eval_names = find_format(evaluation.column_names, args)
+        if (eval_fmt, eval_names) != (fmt, names) or not set(names.values()) <= set(evaluation.column_names):
+            fail(f"--eval-dataset {args.eval_dataset} has columns {', '.join(evaluation.column_names)} and the "
+                 f"training data is {fmt} in {', '.join(names.values())}; give the eval data the same columns")
     if fmt == "messages" and not getattr(tokenizer, "is_fast", False):
         fail(f"{args.model}'s tokenizer is not a fast one: the assistant's tokens are found through a fast "
              f"tokenizer's offsets")

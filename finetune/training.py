@@ -65,11 +65,14 @@ def check_args(args, max_positions):
     for flag in ("lr", "batch_size", "grad_accum", "block_size", "log_every"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    for flag in ("save_every", "keep_checkpoints", "max_train_samples", "num_proc", "loss_chunk", "lora_rank"):
+    for flag in ("save_every", "keep_checkpoints", "max_train_samples", "num_proc", "loss_chunk", "lora_rank",
+                 "eval_every", "max_eval_samples"):
         if getattr(args, flag) < 0:
             fail(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
     if args.max_steps <= 0 and args.epochs <= 0:
         fail("set --epochs or --max-steps to a positive number")
+    if not 0 < args.eval_fraction < 1:
+        fail(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
     if args.block_size < 2:
         fail("--block-size must be at least 2 (a token and the next one to predict)")
     if max_positions and args.block_size > max_positions:
@@ -156,12 +159,28 @@ def publish_checkpoint(root, tag, keep):
     (root / ".latest.tmp").write_text(tag)
     os.replace(root / ".latest.tmp", root / "latest")
     steps = sorted((d for d in root.glob("step-*") if d.is_dir()), key=lambda d: int(d.name.split("-")[1]))
+    best = best_checkpoint(root)
     for old in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != best:  # the lowest eval loss is kept whatever its age
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def run_record(step, args, global_batch, world_size, model):
-    """run.json beside each checkpoint: what a resume checks, the run's arguments and the code's version."""
+def best_checkpoint(root):
+    """The checkpoint folder whose run.json has the lowest eval loss (the earliest of equals), or None."""
+    scored = []
+    for folder in Path(root).glob("step-*"):
+        try:
+            loss = json.loads((folder / "run.json").read_text()).get("eval_loss")
+        except (OSError, ValueError):
+            continue
+        if loss is not None and math.isfinite(loss):
+            scored.append((loss, int(folder.name.split("-")[1]), folder))
+    return min(scored)[2] if scored else None
+
+
+def run_record(step, args, global_batch, world_size, model, stats):
+    """run.json beside each checkpoint: what a resume checks, the run's arguments, the code's version, and the eval
+    loss at this step when it was evaluated (what --keep-checkpoints keeps the best by)."""
     try:
         code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
@@ -169,7 +188,8 @@ def run_record(step, args, global_batch, world_size, model):
         code = None
     stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
     return {"step": step, "global_batch_size": global_batch, "world_size": world_size, "zero_stage": stage,
-            "lora_rank": args.lora_rank, "args": vars(args), "code_version": code}
+            "lora_rank": args.lora_rank, "eval_loss": dict(stats.evals).get(step), "args": vars(args),
+            "code_version": code}
 
 
 def rng_state(device):
@@ -221,7 +241,7 @@ class RunStats:
         facts = hardware.facts(device)
         self.peak = hardware.peak_tflops(facts.name, args.precision) if facts.kind == "cuda" else None
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
-        self.grad_norms, self.pending_norms = [], []
+        self.grad_norms, self.pending_norms, self.evals, self.eval_time = [], [], [], 0.0
         self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
         self.interval_start = time.perf_counter()
 
@@ -260,6 +280,19 @@ class RunStats:
     def log_due(self, step, total_steps):
         return (step + 1) % self.args.log_every == 0 or step + 1 == total_steps
 
+    def eval_due(self, step, total_steps):
+        return bool(self.args.eval_every) and (step + 1) % self.args.eval_every == 0 or step + 1 == total_steps
+
+    def eval_line(self, step, result, seconds):
+        """Record the eval loss after `step + 1` steps ((loss, tokens) from evaluate) and say it."""
+        value, tokens = result
+        self.evals.append([step + 1, value])
+        self.eval_time += seconds
+        best = min(self.evals, key=lambda e: e[1])
+        mark = " | best so far" if best[0] == step + 1 and len(self.evals) > 1 else ""
+        return (f"step {step + 1} | eval loss {value:.4f} | perplexity {perplexity(value):.2f} | {tokens} tokens | "
+                f"{seconds:.1f} s{mark}")
+
     def log_line(self, step, total_steps, lr):
         self._flush()
         elapsed = time.perf_counter() - self.interval_start
@@ -286,26 +319,33 @@ class RunStats:
 
     @contextlib.contextmanager
     def paused(self):
-        """Time spent here (writing a checkpoint) is not training time."""
-        start = time.perf_counter()
-        yield
-        self.interval_start += time.perf_counter() - start
+        """Time spent here (writing a checkpoint, evaluating) is not training time; yields a list that gets the
+        seconds spent."""
+        start, spent = time.perf_counter(), []
+        yield spent
+        spent.append(time.perf_counter() - start)
+        self.interval_start += spent[0]
 
     def state(self):
         self._flush()
         return {"step": self.step, "losses": self.losses, "train_time": self.train_time, "tokens": self.tokens,
-                "intervals": self.intervals, "grad_norms": self.grad_norms}
+                "intervals": self.intervals, "grad_norms": self.grad_norms, "evals": self.evals,
+                "eval_time": self.eval_time}
 
     def restore(self, state):
         self.step, self.losses, self.intervals = state["step"], state["losses"], state["intervals"]
         self.train_time, self.tokens = state["train_time"], state["tokens"]
         self.grad_norms = state.get("grad_norms", [None] * self.step)  # checkpoints written before they were kept
+        self.evals, self.eval_time = state.get("evals", []), state.get("eval_time", 0.0)
 
-    def results(self, eval_loss, world_size, global_batch, held_bytes):
+    def results(self, world_size, global_batch, held_bytes):
         self._flush()
         steady = self.intervals[1:] or self.intervals
+        eval_loss = self.evals[-1][1] if self.evals else None  # at the last step
+        best = min(self.evals, key=lambda e: e[1]) if self.evals else [None, None]
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval_loss": eval_loss,
-                "perplexity": perplexity(eval_loss),
+                "perplexity": perplexity(eval_loss) if eval_loss is not None else None, "evals": self.evals,
+                "best_step": best[0], "best_eval_loss": best[1], "eval_time_s": self.eval_time,
                 "train_runtime_s": self.train_time, "train_tokens": self.tokens,
                 "tokens_per_sec": self.tokens / self.train_time if self.train_time else None,
                 "mfu": self.mfu(steady), "log_intervals": self.intervals,
@@ -376,6 +416,16 @@ def eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank=0
         total[1] += len(labels[1])
     model.train()
     return total
+
+
+def evaluate(model, blocks, args, pad_id, device, config, autocast, rank=0, world_size=1):
+    """(eval loss, tokens): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
+    completion and chats), every rank evaluating its share. It draws no random numbers and leaves the model in
+    training mode: a run that evaluates trains exactly as one that does not."""
+    sums = eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank, world_size)
+    if world_size > 1:
+        torch.distributed.all_reduce(sums)
+    return (sums[0] / sums[1]).item(), int(sums[1])
 
 
 def perplexity(value):

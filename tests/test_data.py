@@ -15,7 +15,8 @@ from finetune import data, loss, training
 def data_args(dataset, **kw):
     base = dict(dataset=str(dataset), dataset_config=None, seed=0, max_train_samples=0, block_size=32,
                 packing="isolated", train_on_prompt=False, text_column=None, prompt_column=None,
-                completion_column=None, messages_column=None, num_proc=0, model="tiny")
+                completion_column=None, messages_column=None, num_proc=0, model="tiny", eval_dataset=None,
+                eval_fraction=0.05, max_eval_samples=0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -302,3 +303,23 @@ def test_loading_errors(tmp_path, tiny):
         data.load_splits(str(tmp_path / "empty.csv"))
     with pytest.raises(SystemExit, match="could not load dataset 'no-such/dataset'"):
         data.load_splits("no-such/dataset")
+
+
+def test_an_eval_file_of_its_own(tmp_path, tiny, tokenizer, monkeypatch):
+    """--eval-dataset: another file format than the training file's, the same kind of rows; evaluated whole (the
+    training rows all train), or on --max-eval-samples of its rows; a file of another kind of rows is one line."""
+    monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
+    texts = [f"review number {i} of a place that served food" for i in range(30)]
+    write_jsonl(tmp_path / "held-out.jsonl", [{"text": t} for t in texts])
+    train, evals = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl")), tokenizer)
+    docs = [tuple(x + [tokenizer.eos_token_id]) for x in tokenizer(texts)["input_ids"]]
+    assert sorted(map(tuple, documents(evals))) == sorted(docs)  # the file's rows, whole, and nothing else
+    rows = datasets.load_dataset("csv", data_files=tiny["data"])["train"]  # every row of the training file trains
+    assert train.lengths.sum() == sum(len(x) + 1 for x in tokenizer(list(rows["text"]))["input_ids"])
+    _, some = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl"),
+                                     max_eval_samples=7), tokenizer)
+    assert len(documents(some)) == 7 and set(map(tuple, documents(some))) <= set(docs)
+    with pytest.raises(SystemExit) as e:
+        data.prepare(data_args(tiny["data"], eval_dataset=tiny["chats"]), tokenizer)
+    assert str(e.value) == (f"error: --eval-dataset {tiny['chats']} has columns messages and the training data is "
+                            f"text in text; give the eval data the same columns")

@@ -173,6 +173,16 @@ def test_publish_keeps_the_newest_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-6", "step-8"]
 
 
+def test_publish_never_deletes_the_best_checkpoint(tmp_path):
+    """--keep-checkpoints 1 with the lowest eval loss at step 4: step 4 stays beside the newest, whatever its age."""
+    for step, loss in ((2, 3.0), (4, 1.5), (6, 2.0), (8, None), (10, 2.5)):
+        (tmp_path / f".tmp-step-{step}").mkdir()
+        training.write_json(tmp_path / f".tmp-step-{step}" / "run.json", {"step": step, "eval_loss": loss})
+        training.publish_checkpoint(tmp_path, f"step-{step}", keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-10", "step-4"]
+    assert training.best_checkpoint(tmp_path).name == "step-4"
+
+
 def test_a_nan_loss_stops_the_run_at_its_step(tiny, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny["model"], model)

@@ -79,12 +79,38 @@ def assert_resumed(out):
     assert (out / "checkpoints" / "step-2" / "resume-from-here").exists() and (out / "final").is_dir()
 
 
+def dropout_model(tiny, folder):
+    """The tiny model with dropout 0.1: a run that draws one random number more or less shows it in its losses."""
+    shutil.copytree(tiny["model"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "dropout": 0.1}))
+    return folder
+
+
+def test_evaluating_changes_nothing_in_the_training(tmp_path, tiny):
+    """With dropout on, a run that evaluates after every step and one that evaluates at the end only: the same
+    losses and gradient norms, bit for bit. Each eval is recorded; a checkpoint's run.json carries its step's."""
+    model = dropout_model(tiny, tmp_path / "dropout-model")
+    runs = {}
+    for every in (1, 0):
+        out = tmp_path / f"every-{every}"
+        single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--model": str(model),
+                                            "--eval-every": every}))
+        runs[every] = results(out)
+    assert runs[1]["losses"] == runs[0]["losses"] and runs[1]["grad_norms"] == runs[0]["grad_norms"]
+    assert [s for s, _ in runs[1]["evals"]] == [1, 2, 3, 4] and [s for s, _ in runs[0]["evals"]] == [4]
+    assert runs[1]["evals"][-1] == runs[0]["evals"][-1] == [4, runs[0]["eval_loss"]]
+    losses = dict(runs[1]["evals"])
+    assert len(set(losses.values())) == 4  # the model changed between evals
+    assert runs[1]["best_eval_loss"] == min(losses.values()) == losses[runs[1]["best_step"]]
+    for step in (2, 4):
+        saved = json.loads((tmp_path / "every-1" / "checkpoints" / f"step-{step}" / "run.json").read_text())
+        assert saved["eval_loss"] == losses[step]
+
+
 def test_resume_continues_with_identical_losses(tmp_path, tiny):
     """Bit for bit, with dropout on: the resumed run draws the same dropout masks only if the RNG state came back."""
-    model = tmp_path / "dropout-model"
-    shutil.copytree(tiny["model"], model)
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "dropout": 0.1}))
+    model = dropout_model(tiny, tmp_path / "dropout-model")
     out = tmp_path / "run"
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--model": str(model)})
     single.main(argv)

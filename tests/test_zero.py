@@ -9,7 +9,7 @@ import pytest
 
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, launch, load_script,
                       results, weights)
-from test_single import assert_resumed, crash_after_first_checkpoint
+from test_single import assert_resumed, crash_after_first_checkpoint, dropout_model
 
 single = load_script("single-gpu.py")
 ZERO = "zero-optimization.py"
@@ -55,9 +55,12 @@ def reference(tiny, tmp_path_factory):
 ])
 def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage, offload):
     """Folded in, what must not change the numbers: stream packing (ZeRO-0), one padded document per row (--packing
-    none) with the plain loss (--loss-chunk 0) at ZeRO-1, full fine-tuning with gradient checkpointing (ZeRO-3)."""
+    none) with the plain loss (--loss-chunk 0) at ZeRO-1, an eval after every step (ZeRO-2), full fine-tuning with
+    gradient checkpointing (ZeRO-3)."""
     out, checkpointing = tmp_path / "run", stage == 3 and offload == "none"
     same = {0: {"--packing": "stream"}, 1: {"--packing": "none", "--block-size": 64}}.get(stage) or chats(tiny)
+    if (stage, offload) == (2, "none"):  # an eval after every step, each rank evaluating its share
+        same = {**same, "--eval-every": 1}
     argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--offload": offload,
                                    **({"--loss-chunk": 0} if stage == 1 else {}), **same})
     argv += ["--gradient-checkpointing"] if checkpointing else []
@@ -77,6 +80,9 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage,
     # the gradients' scale too (the losses cannot show it: Adam ignores a constant factor, clipping removes the rest)
     assert_close_losses(ref["grad_norms"], r["grad_norms"])
     assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+    evaluated = [1, 2, 3, 4] if "--eval-every" in same else [4]
+    assert [s for s, _ in r["evals"]] == [s for s, _ in ref["evals"]] == evaluated
+    assert_close_losses([v for _, v in ref["evals"]], [v for _, v in r["evals"]])
     assert r["train_tokens"] == ref["train_tokens"]
     # what ran, read from the engine: the stage asked for, fp32, the optimizer offload puts on the CPU
     assert r["ran"] == {"weights_dtype": "float32", "gradient_checkpointing": checkpointing, "zero_stage": stage,
@@ -162,14 +168,18 @@ def test_fp16_overflows_skip_the_same_steps_on_any_number_of_ranks(tiny, tmp_pat
 
 
 def test_zero3_resume_continues_with_identical_losses(tiny, tmp_path):
-    out = tmp_path / "run"
-    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 3}) + ["--deepspeed"]
-    check(launch("deepspeed", ZERO, argv))
+    """With dropout on: the run that is resumed evaluated after every step, the resume does not: evaluating on 2
+    ranks changes nothing in the training either (no random number drawn, every rank back in training mode)."""
+    out, model = tmp_path / "run", dropout_model(tiny, tmp_path / "dropout-model")
+    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 3, "--model": str(model)})
+    argv += ["--deepspeed"]
+    check(launch("deepspeed", ZERO, argv + ["--eval-every=1"]))
     full, full_weights = results(out), weights(out / "final")
     crash_after_first_checkpoint(out)
     check(launch("deepspeed", ZERO, argv + ["--resume"]))
     assert_resumed(out)
     resumed = results(out)
+    assert [s for s, _ in full["evals"]] == [1, 2, 3, 4] and [s for s, _ in resumed["evals"]] == [1, 2, 4]
     assert_close_losses(full["losses"], resumed["losses"], rtol=1e-6)
     assert_same_weights(full_weights, weights(out / "final"), atol=1e-6)
 
