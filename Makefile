@@ -25,7 +25,11 @@ demo: $(VENV)/installed
 	$(DEEPSPEED) sequence_classification.py --demo --deepspeed --output-dir out/demo-classification --overwrite
 	@$(PY) -c 'from finetune import demo; demo.summary("out/demo-single-gpu", "out/demo-zero", "out/demo-classification")'
 
-test: $(VENV)/installed
+$(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt
+	$(PY) -m pip install -q -r tests/requirements.txt
+	touch $@
+
+test: $(VENV)/tests-installed
 	$(PY) -m pytest -q tests
 
 clean:

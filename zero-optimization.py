@@ -17,7 +17,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
-from finetune import data, demo, hardware, loss, models, training
+from finetune import data, demo, hardware, loss, models, tracking, training
 from finetune import zero  # ZeRO
 
 
@@ -68,7 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
     p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between evals (0: at the end only)")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints (0: none)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all), and the best")
+    p.add_argument("--report-to", nargs="+", default=["none"], choices=tracking.TRACKERS,
+                   help="trackers that get the losses, LR, throughput, evals (under <output-dir>; W&B: optional)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
     p.add_argument("--prompt", default="The food was", help="what the trained model answers at the end ('' skips)")
@@ -169,10 +171,10 @@ def main(argv=None):
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))
         if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
-            with stats.paused() as spent:
+            with stats.paused():  # every rank evaluates its share of the eval set
                 result = training.evaluate(model, evals, args, tokenizer.pad_token_id, device, config, autocast,
-                                           rank, world_size)  # every rank its share of the eval set
-            say(stats.eval_line(step, result, spent[0]))
+                                           rank, world_size)
+            say(stats.eval_line(step, result))
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
                 tag, ckpt = f"step-{step + 1}", out / "checkpoints"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, loss
+from . import hardware, loss, tracking
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts, the configs, .demo/
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
@@ -73,6 +73,8 @@ def check_args(args, max_positions):
         fail("set --epochs or --max-steps to a positive number")
     if not 0 < args.eval_fraction < 1:
         fail(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
+    if "wandb" in args.report_to:
+        tracking.check_wandb(os.environ)
     if args.block_size < 2:
         fail("--block-size must be at least 2 (a token and the next one to predict)")
     if max_positions and args.block_size > max_positions:
@@ -243,7 +245,9 @@ class RunStats:
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
         self.grad_norms, self.pending_norms, self.evals, self.eval_time = [], [], [], 0.0
         self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
-        self.interval_start = time.perf_counter()
+        self.interval_start, self.last_pause = time.perf_counter(), 0.0
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.trackers = tracking.Trackers(args.report_to, args.output_dir, args, rank)
 
     def describe(self):
         share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
@@ -272,6 +276,9 @@ class RunStats:
         self.losses += losses.tolist()
         self.grad_norms += [float(norm) for norm in self.pending_norms]  # the same on every rank
         self.pending, self.pending_norms = [], []
+        for step in range(first, len(self.losses) + 1):
+            self.trackers.log({"train/loss": self.losses[step - 1], "train/grad_norm": self.grad_norms[step - 1]},
+                              step)
         for step, value in enumerate(self.losses[first - 1:], first):
             if not math.isfinite(value):
                 fail(f"the loss is {value} at step {step}: training diverged (lower --lr, use bf16 rather than "
@@ -283,14 +290,17 @@ class RunStats:
     def eval_due(self, step, total_steps):
         return bool(self.args.eval_every) and (step + 1) % self.args.eval_every == 0 or step + 1 == total_steps
 
-    def eval_line(self, step, result, seconds):
-        """Record the eval loss after `step + 1` steps ((loss, tokens) from evaluate) and say it."""
-        value, tokens = result
+    def eval_line(self, step, result):
+        """Record the eval loss after `step + 1` steps ((loss, tokens) from evaluate, run within paused()) and say
+        it."""
+        (value, tokens), seconds = result, self.last_pause
         self.evals.append([step + 1, value])
         self.eval_time += seconds
         best = min(self.evals, key=lambda e: e[1])
         mark = " | best so far" if best[0] == step + 1 and len(self.evals) > 1 else ""
-        return (f"step {step + 1} | eval loss {value:.4f} | perplexity {perplexity(value):.2f} | {tokens} tokens | "
+        self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},
+                          step + 1)
+        return (f"step {step + 1} | eval loss {value:.4f} | perplexity {perplexity(value):.2f} | {tokens:,} tokens | "
                 f"{seconds:.1f} s{mark}")
 
     def log_line(self, step, total_steps, lr):
@@ -304,6 +314,9 @@ class RunStats:
         mfu = self.mfu(self.intervals[-1:]) if len(self.intervals) > 1 else None  # the first interval warms up
         if mfu is not None:
             line += f" | MFU {100 * mfu:.1f}% | peak mem {peak_memory_bytes(self.device) / 2**30:.1f} GiB"
+        self.trackers.log({"train/learning_rate": lr, "train/tokens_per_second": self.interval_tokens / elapsed,
+                           "train/mfu": mfu, "train/peak_memory_gb": peak_memory_bytes(self.device) / 2**30},
+                          step + 1)
         self.interval_start, self.interval_tokens, self.interval_attended = time.perf_counter(), 0, 0
         return line
 
@@ -319,12 +332,11 @@ class RunStats:
 
     @contextlib.contextmanager
     def paused(self):
-        """Time spent here (writing a checkpoint, evaluating) is not training time; yields a list that gets the
-        seconds spent."""
-        start, spent = time.perf_counter(), []
-        yield spent
-        spent.append(time.perf_counter() - start)
-        self.interval_start += spent[0]
+        """Time spent here (writing a checkpoint, evaluating) is not training time (and is kept in last_pause)."""
+        start = time.perf_counter()
+        yield
+        self.last_pause = time.perf_counter() - start
+        self.interval_start += self.last_pause
 
     def state(self):
         self._flush()
@@ -340,6 +352,7 @@ class RunStats:
 
     def results(self, world_size, global_batch, held_bytes):
         self._flush()
+        self.trackers.close()
         steady = self.intervals[1:] or self.intervals
         eval_loss = self.evals[-1][1] if self.evals else None  # at the last step
         best = min(self.evals, key=lambda e: e[1]) if self.evals else [None, None]

@@ -108,6 +108,52 @@ def test_evaluating_changes_nothing_in_the_training(tmp_path, tiny):
         assert saved["eval_loss"] == losses[step]
 
 
+def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, tiny, monkeypatch):
+    """--report-to tensorboard wandb, a crash after the step-2 checkpoint, a resume: TensorBoard's own reader finds
+    each step's loss and gradient norm once, as results.json has them, and the evals at their steps; W&B (offline)
+    wrote its run, and the resume continued the same run id."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--eval-every": 2})
+    argv += ["--report-to", "tensorboard", "wandb"]
+    single.main(argv)
+    crash_after_first_checkpoint(out)
+    single.main(argv + ["--resume"])
+    r = results(out)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = lambda tag: [(e.step, e.value) for e in events.Scalars(tag)]
+    for tag, want in (("train/loss", r["losses"]), ("train/grad_norm", r["grad_norms"])):
+        assert [s for s, _ in scalars(tag)] == [1, 2, 3, 4], tag  # the steps after the checkpoint logged once
+        assert_close_losses(want, [v for _, v in scalars(tag)], rtol=1e-6)  # float32 in the event file
+    assert [(s, pytest.approx(v, rel=1e-6)) for s, v in r["evals"]] == scalars("eval/loss")
+    assert {"train/learning_rate", "train/tokens_per_second", "eval/perplexity"} <= set(events.Tags()["scalars"])
+    run_id = (out / "wandb-run-id").read_text()
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    # the first launch and the resume (one folder when both began within the same second): one run id
+    assert 1 <= len(runs) <= 2 and all(p.name.endswith(f"-{run_id}") for p in runs)
+    assert all((p / f"run-{run_id}.wandb").stat().st_size > 0 for p in runs)
+
+
+def test_wandb_missing_or_logged_out_is_one_line(monkeypatch):
+    import sys
+
+    from finetune import tracking
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(SystemExit, match="^error: --report-to wandb: the wandb package is not installed; pip "):
+        tracking.check_wandb({})
+    monkeypatch.undo()
+    import wandb
+    monkeypatch.setattr(type(wandb.api), "api_key", property(lambda self: None), raising=False)
+    with pytest.raises(SystemExit, match="not logged in to W&B; run `wandb login`, set WANDB_API_KEY, or set "
+                                         "WANDB_MODE=offline"):
+        tracking.check_wandb({})
+    tracking.check_wandb({"WANDB_MODE": "offline"})  # no login needed
+    tracking.check_wandb({"WANDB_API_KEY": "x" * 40})
+
+
 def test_resume_continues_with_identical_losses(tmp_path, tiny):
     """Bit for bit, with dropout on: the resumed run draws the same dropout masks only if the RNG state came back."""
     model = dropout_model(tiny, tmp_path / "dropout-model")

@@ -64,6 +64,7 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage,
     argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--offload": offload,
                                    **({"--loss-chunk": 0} if stage == 1 else {}), **same})
     argv += ["--gradient-checkpointing"] if checkpointing else []
+    argv += ["--report-to", "tensorboard"] if "--eval-every" in same else []
     env = {}
     if offload == "none" and stage in (2, 3):  # a machine that never built an op: DeepSpeed compiles no optimizer
         env["TORCH_EXTENSIONS_DIR"] = str(fresh_extensions(tmp_path))
@@ -83,6 +84,13 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage,
     evaluated = [1, 2, 3, 4] if "--eval-every" in same else [4]
     assert [s for s, _ in r["evals"]] == [s for s, _ in ref["evals"]] == evaluated
     assert_close_losses([v for _, v in ref["evals"]], [v for _, v in r["evals"]])
+    if "--eval-every" in same:  # rank 0 alone wrote the tracker's events: one file, each step once
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+        events = EventAccumulator(str(out / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("eval/loss")] == evaluated
+        assert_close_losses(r["losses"], [e.value for e in events.Scalars("train/loss")], rtol=1e-6)
     assert r["train_tokens"] == ref["train_tokens"]
     # what ran, read from the engine: the stage asked for, fp32, the optimizer offload puts on the CPU
     assert r["ran"] == {"weights_dtype": "float32", "gradient_checkpointing": checkpointing, "zero_stage": stage,
