@@ -84,6 +84,9 @@ def run_distributed(main):
     one exited."""
     try:
         main()
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: one line, from rank 0
+        raise SystemExit("stopped by Ctrl-C; what was logged is on disk, and --resume continues from the newest "
+                         "checkpoint" if os.environ.get("RANK", "0") == "0" else 130)
     except RuntimeError as e:
         lost = ("timed out", "Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL error")
         if not any(marker in str(e) for marker in lost):

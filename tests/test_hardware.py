@@ -183,3 +183,16 @@ def test_a_universal_resume_puts_each_step_where_adamw_reads_it(fused, where):
         assert all(t.device == p.device for k, t in state.items() if k != "step" or fused)
     if where == "cpu":
         assert steps[0].item() == 7.0
+
+
+def test_ctrl_c_is_one_line_from_rank_0_and_silence_from_the_others(monkeypatch):
+    """The terminal sends SIGINT to every rank: rank 0 says what happened, the others exit 130 without a word."""
+    def interrupted():
+        raise KeyboardInterrupt
+
+    for rank, code in (("0", "stopped by Ctrl-C; what was logged is on disk, and --resume continues from the newest "
+                              "checkpoint"), ("1", 130)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            zero.run_distributed(interrupted)
+        assert e.value.code == code
