@@ -67,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all), and the best")
     p.add_argument("--report-to", nargs="+", default=["none"], choices=tracking.TRACKERS,
                    help="trackers that get the losses, LR, throughput, evals (under <output-dir>; W&B: optional)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument("--resume", nargs="?", const="newest", choices=["newest", "auto"],
+                   help="continue from the newest checkpoint in --output-dir (auto: if there is one, else start)")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
     p.add_argument("--prompt", default="The food was", help="what the trained model answers at the end ('' skips)")
     p.add_argument("--verbose", action="store_true", help="the libraries' warnings and logs too")
@@ -120,6 +121,7 @@ def main(argv=None):
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()
     stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
+    stop = training.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
     if folder:
         state = torch.load(folder / "state.pt", weights_only=False)
         model.load_state_dict(state["model"])
@@ -164,7 +166,8 @@ def main(argv=None):
                 result = training.evaluate(model, evals, args, tokenizer.pad_token_id, device, config, autocast,
                                            rank, world_size)
             say(stats.eval_line(step, result))
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
+        stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
+        if stopping or args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
                 tag, ckpt = f"step-{step + 1}", out / "checkpoints"
                 (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
@@ -176,6 +179,8 @@ def main(argv=None):
                     training.write_json(ckpt / f".tmp-{tag}" / "run.json",
                                         training.run_record(step + 1, args, global_batch, world_size, model, stats))
                     training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
+        if stopping:
+            stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
 
     # -------------------------------------------------------------------------------- sample
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)

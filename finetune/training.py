@@ -8,6 +8,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,9 @@ ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 # skip that step), double after 1001 steps without one (DeepSpeed's loss_scale_window 1000 counts one step more than
 # torch's growth_interval). DeepSpeed's hysteresis is 1 there: torch has none.
 FP16_SCALER = {"init_scale": 2.0**16, "growth_interval": 1001}
+
+
+STOPPED = 75  # the exit status of a run a signal stopped, its checkpoint written: resume it (EX_TEMPFAIL)
 
 
 def fail(message):
@@ -75,6 +79,8 @@ def check_args(args, max_positions):
         fail(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
     if "wandb" in args.report_to:
         tracking.check_wandb(os.environ)
+    if args.resume == "auto":  # one command line for the first submission and every requeue
+        args.resume = "newest" if (Path(args.output_dir) / "checkpoints" / "latest").exists() else None
     if args.block_size < 2:
         fail("--block-size must be at least 2 (a token and the next one to predict)")
     if max_positions and args.block_size > max_positions:
@@ -178,6 +184,43 @@ def best_checkpoint(root):
         if loss is not None and math.isfinite(loss):
             scored.append((loss, int(folder.name.split("-")[1]), folder))
     return min(scored)[2] if scored else None
+
+
+class Stop:
+    """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
+    --signal=B:USR1@120`) ask the run to stop at the end of the step in flight: every rank stops at the same step,
+    writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal changes nothing; a kill
+    during the save leaves the previous checkpoint as `latest` (publish_checkpoint)."""
+
+    def __init__(self):
+        self.signal = None
+        for number in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(number, self._ask)
+        dist = torch.distributed
+        self.ranks = dist.get_world_size() if dist.is_initialized() else 1
+        # the ranks agree on a CPU group: the flag never waits on a GPU's queue of work (no host sync per step)
+        self.group = None if self.ranks == 1 or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def _ask(self, number, frame):
+        self.signal = self.signal or number
+
+    def due(self):
+        """Whether to stop after this step: a signal reached any rank (only the signalled node knows, on a cluster:
+        a one-element all-reduce tells the others)."""
+        if self.ranks == 1:
+            return self.signal is not None
+        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def exit(self, step, say):
+        """After the checkpoint: every rank has finished (a launcher stops the others as soon as one exits), then
+        leave with STOPPED."""
+        if self.ranks > 1:
+            torch.distributed.barrier(group=self.group)
+        name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
+        say(f"stopped by {name} after step {step}, its checkpoint written: rerun with --resume auto to continue")
+        raise SystemExit(STOPPED)
 
 
 def run_record(step, args, global_batch, world_size, model, stats):

@@ -82,8 +82,13 @@ def run_distributed(main):
     """Run main() of a distributed script. When a collective fails because another rank died or stopped answering
     (--dist-timeout), end with one line instead of a traceback; the launcher then stops the other ranks and says which
     one exited."""
+    code = 0
     try:
         main()
+    except SystemExit as e:  # stopped by a signal with its checkpoint written: the CPU exit below, with its status
+        if e.code != training.STOPPED:
+            raise
+        code = e.code
     except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: one line, from rank 0
         raise SystemExit("stopped by Ctrl-C; what was logged is on disk, and --resume continues from the newest "
                          "checkpoint" if os.environ.get("RANK", "0") == "0" else 130)
@@ -106,7 +111,9 @@ def run_distributed(main):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
 
 
 def skip_teardown(cuda_available):

@@ -3,6 +3,7 @@ scripts (in process through main(), or under the real launchers)."""
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -85,7 +86,10 @@ def launcher_variables_restored():
     """A script run in process as a world of one sets RANK, MASTER_PORT, ... in this process: not for the next test."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     before = {k: os.environ.get(k) for k in names}
+    handlers = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGUSR1)}  # training.Stop sets them
     yield
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
     for k, v in before.items():
         if v is None:
             os.environ.pop(k, None)

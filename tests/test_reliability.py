@@ -27,7 +27,8 @@ def start(argv, log):
     """The deepspeed launcher with 2 CPU ranks, in the background."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "zero-optimization.py", *argv]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # a process group of its own, as a SLURM step or a container
 
 
 def rank_pid(launcher, rank, timeout=60):
@@ -45,6 +46,14 @@ def wait_for(path, launcher, timeout=120):
     while not path.exists():
         assert launcher.poll() is None and time.time() < deadline, f"{path} never appeared"
         time.sleep(0.05)
+
+
+def group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def stop_everything(launcher):
@@ -70,9 +79,75 @@ def long_run(tiny, out, *extra):
                                    "--save-every": 5, "--log-every": 5}) + ["--deepspeed", *extra]
 
 
-def test_a_killed_rank_ends_the_job_and_resume_gives_the_uninterrupted_run(tiny, tmp_path):
-    whole = tmp_path / "whole"
+def test_a_signal_in_one_process_stops_after_the_step_in_flight(tiny, tmp_path, monkeypatch):
+    """SIGTERM and a second signal during step 3: single-gpu.py finishes that step, writes its checkpoint, exits 75;
+    `--resume auto` (which started the first run fresh) continues to the uninterrupted run's losses, bit for bit."""
+    argv = base_args(tiny, tmp_path / "whole", **{"--batch-size": 4, "--grad-accum": 2, "--max-steps": 6})
+    single.main(argv)
+    out = tmp_path / "run"
+    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--max-steps": 6}) + ["--resume", "auto"]
+    end_step = training.RunStats.end_step
+
+    def signalled(stats, *args):
+        if stats.step == 2:  # in step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        end_step(stats, *args)
+
+    monkeypatch.setattr(training.RunStats, "end_step", signalled)
+    with pytest.raises(SystemExit) as e:
+        single.main(argv)
+    assert e.value.code == training.STOPPED and (out / "checkpoints" / "latest").read_text() == "step-3"
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
+    monkeypatch.undo()
+    single.main(argv)
+    assert results(out)["losses"] == results(tmp_path / "whole")["losses"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    whole = tmp_path_factory.mktemp("whole") / "run"
     check(launch("deepspeed", "zero-optimization.py", long_run(tiny, whole)))
+    return whole
+
+
+@pytest.mark.parametrize("to", ["rank 1", "the process group"])
+def test_a_signal_stops_every_rank_at_one_step_with_its_checkpoint(tiny, tmp_path, uninterrupted, to):
+    """SIGUSR1 to rank 1 alone (on a cluster only the signalled node knows: it tells the others), or SIGTERM to the
+    launcher's whole process group (as SLURM signals a step, as a container's init does): every rank stops after the
+    same step, its checkpoint published, and exits 75; `--resume auto` then gives the uninterrupted run's losses."""
+    out = tmp_path / "stopped"
+    launcher = start(long_run(tiny, out, "--resume", "auto"), tmp_path / "log")  # nothing to resume: a fresh start
+    try:
+        wait_for(out / "checkpoints" / "latest", launcher)
+        if to == "rank 1":
+            os.kill(rank_pid(launcher, 1), signal.SIGUSR1)
+        else:
+            os.killpg(launcher.pid, signal.SIGTERM)
+        sent_at = time.time()
+        launcher.wait(timeout=90)
+        while time.time() < sent_at + 90 and group_alive(launcher.pid):  # the launcher may leave before its ranks
+            time.sleep(0.1)
+        ended_after = time.time() - sent_at
+    finally:
+        stop_everything(launcher)
+    log = (tmp_path / "log").read_text()
+    stopped = [line for line in log.splitlines() if line.startswith("stopped by ")]
+    assert len(stopped) == 1 and "Traceback" not in log, log[-3000:]  # one line, from rank 0
+    step = int(stopped[0].split(" after step ")[1].split(",")[0])
+    assert stopped[0].startswith("stopped by SIGTERM" if to == "the process group" else "stopped by a signal")
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{step}" and not (out / "results.json").exists()
+    assert ended_after < 60 and step < 60, (ended_after, step)
+    sys.stdout.write(f"signal to {to}: every process gone {ended_after:.1f} s after it, stopped after step {step}\n")
+    if to == "rank 1":  # the launcher passes the ranks' status on
+        assert launcher.returncode == training.STOPPED and "stopped by a signal to another rank" in stopped[0]
+    check(launch("deepspeed", "zero-optimization.py", long_run(tiny, out, "--resume", "auto")))
+    assert_close_losses(results(uninterrupted)["losses"], results(out)["losses"], rtol=1e-5)
+    assert_same_weights(weights(uninterrupted / "final"), weights(out / "final"), atol=1e-4)
+
+
+def test_a_killed_rank_ends_the_job_and_resume_gives_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
+    whole = uninterrupted
     out = tmp_path / "killed"
     launcher = start(long_run(tiny, out), tmp_path / "log")
     ended_after = signal_rank_1_after_a_checkpoint(launcher, out, signal.SIGKILL, timeout=120)
