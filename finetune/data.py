@@ -356,9 +356,8 @@ def _prepare(args, tokenizer, folder, partial):
     train, evaluation = load_splits(args.dataset, args.dataset_config, args.seed, args.max_train_samples,
                                     args.eval_fraction, args.eval_dataset, args.max_eval_samples)
     fmt, names = find_format(train.column_names, args)
-    if args.eval_dataset:  # found from its columns the same way: it must be the same kind of data
-        eval_fmt, eval_names = find_format(evaluation.column_names, args)
-        if (eval_fmt, eval_names) != (fmt, names) or not set(names.values()) <= set(evaluation.column_names):
+    if args.eval_dataset:  # the same kind of data: the columns the training rows are read from
+        if not set(names.values()) <= set(evaluation.column_names):
             fail(f"--eval-dataset {args.eval_dataset} has columns {', '.join(evaluation.column_names)} and the "
                  f"training data is {fmt} in {', '.join(names.values())}; give the eval data the same columns")
     if fmt == "messages" and not getattr(tokenizer, "is_fast", False):

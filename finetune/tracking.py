@@ -27,14 +27,14 @@ class Trackers:
 
             # purge_step: events a killed run logged after its checkpoint are dropped, so a resume does not draw
             # the same steps twice; the curves go on from the checkpoint
-            writer = SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=step + 1 if step else None)
+            writer = SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=step + 1)
             writer.add_text("args", "    " + json.dumps(vars(self.args), indent=1, default=str).replace("\n", "\n    "))
             self.writers["tensorboard"] = writer
         if "wandb" in self.names:
             import wandb
 
             id_file = self.out / "wandb-run-id"  # the same W&B run on every resume
-            run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
+            run_id = id_file.read_text().strip() if step and id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
             self.writers["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "finetune"), id=run_id,
                                                resume="allow", dir=str(self.out), config=vars(self.args),

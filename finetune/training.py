@@ -77,7 +77,7 @@ def check_args(args, max_positions):
         fail("set --epochs or --max-steps to a positive number")
     if not 0 < args.eval_fraction < 1:
         fail(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
-    if "wandb" in args.report_to:
+    if "wandb" in args.report_to and os.environ.get("RANK", "0") == "0":  # rank 0 alone writes to W&B
         tracking.check_wandb(os.environ)
     if args.resume == "auto":  # one command line for the first submission and every requeue
         args.resume = "newest" if (Path(args.output_dir) / "checkpoints" / "latest").exists() else None
@@ -104,12 +104,13 @@ def prepare_output_dir(path, overwrite, resume, rank):
     out = Path(path)
     if out.exists() and not out.is_dir():
         fail(f"--output-dir {out} is a file; pass a folder")
-    finished, started = (out / "results.json").exists(), (out / "checkpoints").exists()
+    # started: a complete checkpoint (a run killed in its first save has nothing to resume and starts over)
+    finished, started = (out / "results.json").exists(), (out / "checkpoints" / "latest").exists()
     if overwrite:
         if rank == 0:
-            for name in ("results.json", "loss.png"):
+            for name in ("results.json", "loss.png", "wandb-run-id"):
                 (out / name).unlink(missing_ok=True)
-            for name in ("checkpoints", "final"):
+            for name in ("checkpoints", "final", "tensorboard", "wandb"):  # the trackers' curves start over too
                 shutil.rmtree(out / name, ignore_errors=True)
     elif finished:
         fail(f"{out} holds a finished run; pass --overwrite to replace it or choose another --output-dir")
@@ -188,7 +189,7 @@ def best_checkpoint(root):
 
 class Stop:
     """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
-    --signal=B:USR1@120`) ask the run to stop at the end of the step in flight: every rank stops at the same step,
+    --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank stops at the same step,
     writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal changes nothing; a kill
     during the save leaves the previous checkpoint as `latest` (publish_checkpoint)."""
 
@@ -335,11 +336,12 @@ class RunStats:
 
     def eval_line(self, step, result):
         """Record the eval loss after `step + 1` steps ((loss, tokens) from evaluate, run within paused()) and say
-        it."""
+        it. Every rank calls it (the pending losses go to the trackers first: W&B drops steps that come late)."""
+        self._flush()
         (value, tokens), seconds = result, self.last_pause
         self.evals.append([step + 1, value])
         self.eval_time += seconds
-        best = min(self.evals, key=lambda e: e[1])
+        best = min(self.evals, key=lambda e: e[1] if math.isfinite(e[1]) else math.inf)
         mark = " | best so far" if best[0] == step + 1 and len(self.evals) > 1 else ""
         self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},
                           step + 1)
@@ -398,7 +400,8 @@ class RunStats:
         self.trackers.close()
         steady = self.intervals[1:] or self.intervals
         eval_loss = self.evals[-1][1] if self.evals else None  # at the last step
-        best = min(self.evals, key=lambda e: e[1]) if self.evals else [None, None]
+        finite = [e for e in self.evals if math.isfinite(e[1])]
+        best = min(finite, key=lambda e: e[1]) if finite else [None, None]
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval_loss": eval_loss,
                 "perplexity": perplexity(eval_loss) if eval_loss is not None else None, "evals": self.evals,
                 "best_step": best[0], "best_eval_loss": best[1], "eval_time_s": self.eval_time,

@@ -400,27 +400,28 @@ def mend(engine):
             for master, weight in zip(masters, weights):
                 master.data.copy_(weight.data)  # as before that zero-gradient step's weight decay
     if engine.fp16_enabled():
-        scaler = optimizer.loss_scale_config if stage0 else optimizer.loss_scaler  # what holds cur_scale
+        # what holds cur_scale, looked up at each use: loading a ZeRO checkpoint replaces the loss_scaler object
+        scaler = lambda: optimizer.loss_scale_config if stage0 else optimizer.loss_scaler
         update, step, backward, grown = optimizer._update_scale, optimizer.step, engine.backward, []
 
         def update_after_the_step(overflow=False):
-            scale = scaler.cur_scale
+            scale = scaler().cur_scale
             update(overflow)
-            if not overflow and scaler.cur_scale != scale:  # grown: this step's gradients still carry `scale`
-                grown.append(scaler.cur_scale)
-                scaler.cur_scale = scale
+            if not overflow and scaler().cur_scale != scale:  # grown: this step's gradients still carry `scale`
+                grown.append(scaler().cur_scale)
+                scaler().cur_scale = scale
 
         def step_then_grow(*args, **kwargs):
             done = step(*args, **kwargs)
-            if stage0:
-                optimizer._global_grad_norm = optimizer._global_grad_norm / scaler.cur_scale
+            if isinstance(optimizer, FP16_UnfusedOptimizer):  # (DeepSpeed's FusedAdam path unscales it itself)
+                optimizer._global_grad_norm = optimizer._global_grad_norm / scaler().cur_scale
             if grown:
-                scaler.cur_scale = grown.pop()
+                scaler().cur_scale = grown.pop()
             return done
 
         optimizer._update_scale, optimizer.step = update_after_the_step, step_then_grow
         if stage0:
-            engine.backward = lambda loss, **kwargs: backward(loss * scaler.cur_scale, **kwargs)
+            engine.backward = lambda loss, **kwargs: backward(loss * scaler().cur_scale, **kwargs)
     elif stage0 and not engine.bfloat16_enabled():
         def clip_and_keep():  # the engine reads optimizer._global_grad_norm after each step (engine.py)
             optimizer._global_grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(),

@@ -327,3 +327,13 @@ def test_bad_input_catalogue(tiny, tmp_path, name, make, message):
             single.main(argv)
         text = str(e.value)
     assert text.startswith("error: ") and message in text, text
+
+
+def test_a_run_killed_in_its_first_save_starts_over_under_resume_auto(tmp_path):
+    """A half-written first checkpoint is nothing to resume: --resume auto (resolved to no resume) starts afresh,
+    where it used to stop every requeue with "holds an unfinished run"; plain --resume says there is nothing."""
+    (tmp_path / "checkpoints" / ".tmp-step-500").mkdir(parents=True)
+    training.prepare_output_dir(tmp_path, overwrite=False, resume=None, rank=0)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-500").exists()
+    with pytest.raises(SystemExit, match="has no checkpoints to resume from"):
+        training.prepare_output_dir(tmp_path, overwrite=False, resume="newest", rank=0)

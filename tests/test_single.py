@@ -135,6 +135,10 @@ def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, t
     # the first launch and the resume (one folder when both began within the same second): one run id
     assert 1 <= len(runs) <= 2 and all(p.name.endswith(f"-{run_id}") for p in runs)
     assert all((p / f"run-{run_id}.wandb").stat().st_size > 0 for p in runs)
+    single.main(argv + ["--overwrite"])  # a new run in the same folder: new curves, not the old ones continued
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [s for s, _ in scalars("train/loss")] == [1, 2, 3, 4] and (out / "wandb-run-id").read_text() != run_id
 
 
 def test_wandb_missing_or_logged_out_is_one_line(monkeypatch):

@@ -2,6 +2,7 @@
 single-gpu.py on the same global batches, for every ZeRO stage and offload; sharding, export, resume, errors."""
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -155,12 +156,21 @@ def test_fp16_under_zero_tracks_the_single_process_fp16_run(tiny, tmp_path, monk
     from finetune import training
     monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 10)
     monkeypatch.setitem(training.FP16_SCALER, "growth_interval", 3)
-    flags = {"--max-steps": 8, "--save-every": 8, "--warmup-ratio": 0.0, "--lr": 1e-2}
+    flags = {"--max-steps": 8, "--save-every": 4, "--warmup-ratio": 0.0, "--lr": 1e-2}
     single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "fp16",
                                                      **flags}))
     one, two = results(tmp_path / "one"), cpu_fp16(tiny, tmp_path, "two", 2, stage, 10, 3, **flags)
     assert_close_losses(one["losses"], two["losses"], rtol=1e-3)
     assert_close_losses(one["grad_norms"], two["grad_norms"], rtol=1e-2)
+    if stage == 3:  # resumed from step 4: the scale grows at step 6 as in the uninterrupted run (the mend survives
+        out = tmp_path / "two"  # the checkpoint's load, which replaces ZeRO's loss scaler)
+        shutil.rmtree(out / "final")
+        shutil.rmtree(out / "checkpoints" / "step-8")
+        (out / "results.json").unlink()
+        (out / "checkpoints" / "latest").write_text("step-4")
+        resumed = cpu_fp16(tiny, tmp_path, "two", 2, stage, 10, 3, **flags, **{"--resume": "newest"})
+        assert_close_losses(two["losses"], resumed["losses"], rtol=1e-6)
+        assert_close_losses(two["grad_norms"], resumed["grad_norms"], rtol=1e-6)
 
 
 def test_fp16_overflows_skip_the_same_steps_on_any_number_of_ranks(tiny, tmp_path):
@@ -238,7 +248,7 @@ def test_config_that_contradicts_the_flags_is_one_line(tiny, tmp_path):
 
 
 # what every rank must call together (a gather, an evaluation, a generation under ZeRO-3, a barrier)
-COLLECTIVES = {"held_bytes", "eval_loss_sums", "sample", "gathered_state_dict", "all_reduce", "barrier",
+COLLECTIVES = {"held_bytes", "eval_loss_sums", "evaluate", "sample", "gathered_state_dict", "all_reduce", "barrier",
                "save_checkpoint", "load_checkpoint"}
 
 
