@@ -452,13 +452,28 @@ class Blocks:
             cu = torch.from_numpy(bounds).to(device)
             longest = int(np.diff(bounds).max())
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        elif starts[:, 1:].any():  # one causal segment per row and no padding: the plain causal mask
+        elif starts[:, 1:].any():  # one causal segment per row and no padding: the model's own mask
             causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            mask = (segments[:, None, :, None] == segments[:, None, None, :]) & causal
-            if layout == "additive":  # eager attention adds the mask to the scores
-                mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, torch.finfo(torch.float32).min)
-            inputs["attention_mask"] = mask
+            inputs["attention_mask"] = document_masks(
+                (segments[:, None, :, None] == segments[:, None, None, :]) & causal, config, layout)
         return inputs, (labels, index)
+
+
+def document_masks(same, config, layout):
+    """The 4-D mask of each document attending to itself (`same`), with the model's sliding window where its layers
+    have one: a 4-D mask passes transformers' mask building as it is, so a layer that attends only to its last
+    `sliding_window` tokens (Mistral's, Gemma 2/3's local layers, gpt-oss's) must get that window here, or training
+    would attend further than inference does. Models that mix full and sliding layers take a mask per layer type."""
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+    as_layout = lambda m: m if layout != "additive" else torch.zeros(m.shape, device=m.device).masked_fill_(
+        ~m, torch.finfo(torch.float32).min)  # eager attention adds the mask to the scores
+    masks = {"full_attention": same}
+    if window and "sliding_attention" in kinds:
+        i = torch.arange(same.shape[-1], device=same.device)
+        masks["sliding_attention"] = same & (i[:, None] - i[None, :] < window)  # the last `window` tokens, itself in
+    masks = {kind: as_layout(masks.get(kind, same)) for kind in kinds}
+    return masks.popitem()[1] if len(masks) == 1 else masks
 
 
 def attention_layout(implementation):

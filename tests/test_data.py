@@ -7,7 +7,8 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
+                          OPTConfig)
 
 from finetune import data, loss, training
 
@@ -90,21 +91,33 @@ def tiny_models(vocab):
                              embd_pdrop=0.0, attn_pdrop=0.0)
     yield "llama", LlamaConfig(**kw, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2,
                                max_position_embeddings=256, tie_word_embeddings=False)
+    # sliding windows shorter than the documents: every layer (Mistral), or local and global layers (Gemma 2)
+    yield "mistral", MistralConfig(**kw, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2,
+                                   max_position_embeddings=256, sliding_window=8)
+    yield "gemma2", Gemma2Config(**kw, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                 max_position_embeddings=256, sliding_window=8, query_pre_attn_scalar=8,
+                                 layer_types=["sliding_attention", "full_attention"])
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_document_in_a_packed_block_sees_only_itself(tiny, tokenizer, attention):
-    """Its logits equal those of the document run alone, for OPT, GPT-2 and Llama (random weights)."""
+    """Its logits equal those of the document run alone, for OPT, GPT-2, Llama, and Mistral and Gemma 2 with sliding
+    windows shorter than the documents (random weights)."""
     train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
     segments = [len(documents_of(train, i)) for i in range(len(train))]
     rows = [i for i, n in enumerate(segments) if n >= 2][:3]  # blocks of 2 documents or more
     assert len(rows) == 3
     torch.manual_seed(0)
     for name, config in tiny_models(len(tokenizer)):
+        if name == "gemma2" and attention == "sdpa":  # transformers runs Gemma 2 with eager attention only
+            continue
         config._attn_implementation = attention
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
         inputs, _ = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), model.config)
-        assert inputs["attention_mask"].dtype == (torch.bool if attention == "sdpa" else torch.float32)
+        masks = inputs["attention_mask"]
+        masks = masks if isinstance(masks, dict) else {"all layers": masks}
+        assert len(masks) == (2 if name == "gemma2" else 1)  # Gemma 2: a mask for its local layers, one for global
+        assert all(m.dtype == (torch.bool if attention == "sdpa" else torch.float32) for m in masks.values())
         with torch.no_grad():
             packed = model(**inputs).logits
             worst = 0.0
