@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, launch, load_script,
                       results, weights)
@@ -183,6 +184,30 @@ def test_fp16_overflows_skip_the_same_steps_on_any_number_of_ranks(tiny, tmp_pat
     assert skipped[0] and not skipped[-1] and [math.isinf(n) for n in two["grad_norms"]] == skipped
     assert_close_losses(one["losses"], two["losses"], rtol=1e-4)
     assert_close_losses(*([n for n, s in zip(r["grad_norms"], skipped) if not s] for r in (one, two)), rtol=1e-3)
+
+
+def test_a_sliding_window_trains_the_same_however_the_batch_is_split(tiny, tmp_path):
+    """A tiny Mistral whose layers attend to their last 16 tokens, on chats packed into blocks of 64: one process
+    (4 rows a micro-step) and ZeRO-3 on 2 ranks (2 rows each) give the same losses. A row that is one whole document
+    gets no mask (the model applies its window); a packed row gets the documents' mask, which must carry the window
+    too, or the loss depends on how the rows fall into micro-batches."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig
+
+    model = tmp_path / "mistral"
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=16,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    flags = {"--model": str(model), **chats(tiny), "--grad-accum": 2}
+    single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, **flags}))
+    check(launch("deepspeed", ZERO, base_args(tiny, tmp_path / "two", **{"--batch-size": 2, "--zero-stage": 3,
+                                                                         **flags}) + ["--deepspeed"]))
+    one, two = results(tmp_path / "one"), results(tmp_path / "two")
+    assert_close_losses(one["losses"], two["losses"])
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
 
 
 def test_zero3_resume_continues_with_identical_losses(tiny, tmp_path):
