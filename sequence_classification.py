@@ -132,10 +132,7 @@ def check_trainer_resume(folder, world_size, deepspeed):
     """The HF Trainer resumes from its newest checkpoint-N. Under DeepSpeed that holds one optimizer shard per rank,
     which the Trainer loads as it is: another number of ranks would end in DeepSpeed's traceback on every rank."""
     from transformers.trainer_utils import get_last_checkpoint
-    last = get_last_checkpoint(str(folder))
-    if last is None:
-        training.fail(f"--resume: {folder} holds no checkpoint-N yet (the Trainer saves one at the end of each epoch); "
-                      f"start over with --overwrite")
+    last = get_last_checkpoint(str(folder))  # there is one: prepare_output_dir checked
     saved = len(list(Path(last).glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
     if deepspeed and saved != world_size:
         training.fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with "

@@ -104,8 +104,10 @@ def prepare_output_dir(path, overwrite, resume, rank):
     out = Path(path)
     if out.exists() and not out.is_dir():
         fail(f"--output-dir {out} is a file; pass a folder")
-    # started: a complete checkpoint (a run killed in its first save has nothing to resume and starts over)
-    finished, started = (out / "results.json").exists(), (out / "checkpoints" / "latest").exists()
+    # started: a complete checkpoint, ours (`latest`) or the HF Trainer's (checkpoint-N); a run killed in its first
+    # save has nothing to resume and starts over
+    ckpt = out / "checkpoints"
+    finished, started = (out / "results.json").exists(), (ckpt / "latest").exists() or any(ckpt.glob("checkpoint-*"))
     if overwrite:
         if rank == 0:
             for name in ("results.json", "loss.png", "wandb-run-id"):
@@ -189,9 +191,9 @@ def best_checkpoint(root):
 
 class Stop:
     """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
-    --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank stops at the same step,
-    writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal changes nothing; a kill
-    during the save leaves the previous checkpoint as `latest` (publish_checkpoint)."""
+    --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank
+    stops at the same step, writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal
+    changes nothing; a kill during the save leaves the previous checkpoint as `latest` (publish_checkpoint)."""
 
     def __init__(self):
         self.signal = None

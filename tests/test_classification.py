@@ -133,7 +133,7 @@ def test_the_best_epoch_is_the_most_accurate_and_of_those_the_lowest_loss():
 
 def test_resume_without_a_checkpoint_is_one_line(sentiment, tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # killed before the end of the first epoch
-    with pytest.raises(SystemExit, match="holds no checkpoint-N yet"):
+    with pytest.raises(SystemExit, match="run has no checkpoints to resume from"):
         classification.main(argv(sentiment, tmp_path / "run", "--resume"))
 
 
