@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=500, help="optimizer steps between evals (0: at the end only)")
     p.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints (0: none)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all), and the best")
+    p.add_argument("--final", default="last", choices=["last", "best"],
+                   help="what final/ holds: the model after the last step, or the checkpoint with the lowest eval loss")
     p.add_argument("--report-to", nargs="+", default=["none"], choices=tracking.TRACKERS,
                    help="trackers that get the losses, LR, throughput, evals (under <output-dir>; W&B: optional)")
     p.add_argument("--resume", nargs="?", const="newest", choices=["newest", "auto"],
@@ -165,7 +167,9 @@ def main(argv=None):
             with stats.paused():  # every rank evaluates its share of the eval set
                 result = training.evaluate(model, evals, args, tokenizer.pad_token_id, device, config, autocast,
                                            rank, world_size)
-            say(stats.eval_line(step, result))
+                answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank) \
+                    if stats.trackers.names else None  # a few eval prompts answered, for the trackers
+            say(stats.eval_line(step, result, answers))
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
@@ -183,6 +187,7 @@ def main(argv=None):
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
 
     # -------------------------------------------------------------------------------- sample
+    training.load_best(model, out, stats, args, total_steps, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
 

@@ -117,28 +117,71 @@ def sample(model, tokenizer, prompt, fmt, device, say, rank):
     tokenizer's own special tokens. With the model in memory: under ZeRO-3 every rank takes part (its layers are
     gathered one at a time, as in training), so no rank ever holds a whole copy: it runs before rank 0 writes the
     outputs, so no rank waits on a collective while rank 0 saves. A failure here is a line, never a failed run."""
-    engine = model if hasattr(model, "zero_optimization_partition_weights") else None
-    everyone = engine is not None and engine.zero_optimization_partition_weights()
-    if not prompt or (rank != 0 and not everyone):
+    if not prompt or not _generates(model, rank):
         return None
-    net = getattr(model, "module", model)
     try:
-        if fmt == "messages":
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer(prompt)["input_ids"]
-        net.eval()
-        with torch.no_grad():
-            out = net.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=40, do_sample=False,
-                               pad_token_id=tokenizer.pad_token_id, synced_gpus=everyone)
-        answer = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+        messages = [{"role": "user", "content": prompt}] if fmt == "messages" else None
+        answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device)
         say(f"sample: {prompt!r} -> {answer!r}")
         return answer
     except Exception as e:  # noqa: BLE001 (any failure: the run itself succeeded)
         say(f"no sample ({type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})")
         return None
+
+
+def answers(model, tokenizer, examples, fmt, device, rank):
+    """The model's answers to the prompts of a few eval rows (chats: the turns before the last assistant's;
+    prompt/completion: the prompt), beside the expected ones, for the trackers at each eval. Greedy: no random
+    number is drawn, so training goes on exactly as without it. None for plain text, or where it fails."""
+    if fmt == "text" or not examples or not _generates(model, rank):
+        return None
+    rows = []
+    try:
+        for row in examples:
+            if fmt == "messages":
+                last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
+                messages, expected = row["messages"][:last], row["messages"][last]["content"]
+                prompt = messages[-1]["content"] if messages else ""
+            else:
+                messages, prompt, expected = None, row["prompt"], row["completion"]
+            answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device)
+            rows.append({"prompt": prompt, "expected": expected, "answer": answer})
+    except Exception:  # noqa: BLE001 (a sample is a view of the run, never a reason to stop it)
+        return None
+    return rows
+
+
+def _generates(model, rank):
+    """Whether this rank generates: rank 0, and under ZeRO-3 every rank (each layer's shards are gathered)."""
+    engine = model if hasattr(model, "zero_optimization_partition_weights") else None
+    return rank == 0 or (engine is not None and engine.zero_optimization_partition_weights())
+
+
+def _prompt_ids(tokenizer, messages, prompt):
+    if messages is None:
+        return tokenizer(prompt)["input_ids"]
+    text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                         tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _generate(model, tokenizer, ids, device, max_new_tokens=40):
+    """Greedy decoding of the model in memory, within its positions; it is left in the mode it was in."""
+    engine = model if hasattr(model, "zero_optimization_partition_weights") else None
+    net = getattr(model, "module", model)
+    positions = getattr(net.config.get_text_config(), "max_position_embeddings", None)
+    if positions:
+        ids, max_new_tokens = ids[-(positions - 1):], min(max_new_tokens, positions - min(len(ids), positions - 1))
+    was_training = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            out = net.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                               synced_gpus=engine is not None and engine.zero_optimization_partition_weights())
+    finally:
+        net.train(was_training)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 
 def held_bytes(model, optimizer):

@@ -53,6 +53,26 @@ class Trackers:
         if "wandb" in self.writers:
             self.writers["wandb"].log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
+    def text(self, name, rows, step):
+        """A table of text (rows: dicts with the same keys), e.g. the answers to a few eval prompts at each eval:
+        TensorBoard's text tab shows it as markdown, W&B as a table."""
+        if self.rank != 0 or not self.names or not rows:
+            return
+        if self.writers is None:
+            self.open(step - 1)
+        columns = list(rows[0])
+        if "tensorboard" in self.writers:
+            cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")
+            table = [" | ".join(columns), " | ".join("---" for _ in columns)]
+            table += [" | ".join(cell(row[c]) for c in columns) for row in rows]
+            self.writers["tensorboard"].add_text(name, "\n".join(table), step)
+            self.writers["tensorboard"].flush()
+        if "wandb" in self.writers:
+            import wandb
+
+            self.writers["wandb"].log({name: wandb.Table(columns=columns, data=[[row[c] for c in columns]
+                                                                                for row in rows])}, step=step)
+
     def close(self):
         for writer in (self.writers or {}).values():
             if hasattr(writer, "close"):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, loss, tracking
+from . import hangs, hardware, loss, tracking
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts, the configs, .demo/
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
@@ -79,6 +79,9 @@ def check_args(args, max_positions):
         fail(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
     if "wandb" in args.report_to and os.environ.get("RANK", "0") == "0":  # rank 0 alone writes to W&B
         tracking.check_wandb(os.environ)
+    if args.final == "best" and not args.save_every:
+        fail("--final best exports the checkpoint with the lowest eval loss: set --save-every (a multiple of "
+             "--eval-every) so that there are checkpoints to choose from")
     if args.resume == "auto":  # one command line for the first submission and every requeue
         args.resume = "newest" if (Path(args.output_dir) / "checkpoints" / "latest").exists() else None
     if args.block_size < 2:
@@ -189,6 +192,31 @@ def best_checkpoint(root):
     return min(scored)[2] if scored else None
 
 
+def load_best(model, out, stats, args, total_steps, world_size, say):
+    """--final best: load the checkpoint with the lowest eval loss (the earliest of equals) before the export, unless
+    it is the model in memory (the last step's). Chosen from the eval history, which every rank holds the same, not
+    from the folder, where rank 0 may still be publishing the last checkpoint. Under DeepSpeed every rank loads its
+    shards (a collective), as on a resume."""
+    stats.final_step = stats.step
+    saved = lambda s: args.save_every and (s % args.save_every == 0 or s == total_steps)
+    scored = [(value, s) for s, value in stats.evals if saved(s) and math.isfinite(value)]
+    if args.final != "best" or not scored or min(scored)[1] == stats.step:
+        return
+    value, step = min(scored)
+    folder = Path(out) / "checkpoints" / f"step-{step}"
+    written_by = json.loads((folder / "run.json").read_text())["world_size"]
+    if written_by != world_size:  # a resume on another number of ranks since: its shards do not load as they are
+        say(f"--final best: step {step} was written by {written_by} ranks and this run has {world_size}; final/ is "
+            f"the last model (zero_to_fp32.py in the checkpoints folder gives step {step}'s weights)")
+        return
+    if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
+        model.load_checkpoint(folder.parent, folder.name)
+    else:
+        model.load_state_dict(torch.load(folder / "state.pt", weights_only=False)["model"])
+    stats.final_step = step
+    say(f"--final best: final/ is step {step}, eval loss {value:.4f} (the last step's: {stats.evals[-1][1]:.4f})")
+
+
 class Stop:
     """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
     --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank
@@ -205,6 +233,8 @@ class Stop:
         self.group = None if self.ranks == 1 or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
     def _ask(self, number, frame):
+        if hangs.reported.is_set():  # a hung run has no step to finish: the launcher is ending it
+            os._exit(hangs.HUNG)
         self.signal = self.signal or number
 
     def due(self):
@@ -290,10 +320,17 @@ class RunStats:
         self.peak = hardware.peak_tflops(facts.name, args.precision) if facts.kind == "cuda" else None
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
         self.grad_norms, self.pending_norms, self.evals, self.eval_time = [], [], [], 0.0
+        self.final_step = None  # the step of the weights in final/ (load_best)
         self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
         self.interval_start, self.last_pause = time.perf_counter(), 0.0
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.trackers = tracking.Trackers(args.report_to, args.output_dir, args, rank)
+        dist = torch.distributed
+        self.rank, self.ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.rank_memory = [0.0] * self.ranks  # each rank's peak memory (GiB), brought over with the losses
+        self.trackers = tracking.Trackers(args.report_to, args.output_dir, args, self.rank)
+        self.watchdog = None  # a hang names itself (hangs.py): on several ranks, with a bound on their collectives
+        if self.ranks > 1 and getattr(args, "dist_timeout", None):
+            self.watchdog = hangs.Watchdog(args.output_dir, hangs.threshold(args.dist_timeout), self.rank,
+                                           self.ranks, dist.distributed_c10d._get_default_store())
 
     def describe(self):
         share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
@@ -308,16 +345,21 @@ class RunStats:
         self.interval_tokens += int(blocks.lengths[indices].sum())
         self.interval_attended += int(blocks.attended[indices].sum())
         profile(self.step)
+        if self.watchdog:
+            self.watchdog.beat(self.step)
 
 
     def _flush(self):
         """The pending losses, on the host (a sync), summed over the ranks, and checked: a NaN stops the run before
-        any checkpoint could hold it."""
+        any checkpoint could hold it. Each rank's peak memory rides along in the same all-reduce (its own slot)."""
         if not self.pending:
             return
-        losses = torch.stack(self.pending)
+        memory = torch.zeros(self.ranks, device=self.pending[0].device)
+        memory[self.rank] = peak_memory_bytes(self.device) / 2**30
+        losses = torch.cat([torch.stack(self.pending).float(), memory])
         if self.reduce:
             self.reduce(losses)
+        losses, self.rank_memory = losses[:len(self.pending)], losses[len(self.pending):].tolist()
         first = len(self.losses) + 1
         self.losses += losses.tolist()
         self.grad_norms += [float(norm) for norm in self.pending_norms]  # the same on every rank
@@ -336,11 +378,14 @@ class RunStats:
     def eval_due(self, step, total_steps):
         return bool(self.args.eval_every) and (step + 1) % self.args.eval_every == 0 or step + 1 == total_steps
 
-    def eval_line(self, step, result):
+    def eval_line(self, step, result, answers=None):
         """Record the eval loss after `step + 1` steps ((loss, tokens) from evaluate, run within paused()) and say
-        it. Every rank calls it (the pending losses go to the trackers first: W&B drops steps that come late)."""
+        it; `answers` (models.answers) go to the trackers as text. Every rank calls it (the pending losses go to the
+        trackers first: W&B drops steps that come late)."""
         self._flush()
         (value, tokens), seconds = result, self.last_pause
+        if answers:
+            self.trackers.text("eval/samples", answers, step + 1)
         self.evals.append([step + 1, value])
         self.eval_time += seconds
         best = min(self.evals, key=lambda e: e[1] if math.isfinite(e[1]) else math.inf)
@@ -359,11 +404,13 @@ class RunStats:
         line = (f"step {step + 1}/{total_steps} | loss {self.losses[-1]:.4f} | lr {lr:.2e} | "
                 f"{self.interval_tokens / elapsed:,.0f} tok/s")
         mfu = self.mfu(self.intervals[-1:]) if len(self.intervals) > 1 else None  # the first interval warms up
+        most = max(range(self.ranks), key=lambda r: self.rank_memory[r])
         if mfu is not None:
-            line += f" | MFU {100 * mfu:.1f}% | peak mem {peak_memory_bytes(self.device) / 2**30:.1f} GiB"
+            line += f" | MFU {100 * mfu:.1f}% | peak mem {self.rank_memory[most]:.1f} GiB"
+            line += f" (rank {most})" if self.ranks > 1 else ""
         self.trackers.log({"train/learning_rate": lr, "train/tokens_per_second": self.interval_tokens / elapsed,
-                           "train/mfu": mfu, "train/peak_memory_gb": peak_memory_bytes(self.device) / 2**30},
-                          step + 1)
+                           "train/mfu": mfu, "train/peak_memory_gb": self.rank_memory[most],
+                           **{f"memory/rank_{r}_peak_gb": gb for r, gb in enumerate(self.rank_memory)}}, step + 1)
         self.interval_start, self.interval_tokens, self.interval_attended = time.perf_counter(), 0, 0
         return line
 
@@ -381,7 +428,11 @@ class RunStats:
     def paused(self):
         """Time spent here (writing a checkpoint, evaluating) is not training time (and is kept in last_pause)."""
         start = time.perf_counter()
+        if self.watchdog:  # their collectives are bounded by --dist-timeout (a checkpoint may take minutes)
+            self.watchdog.pause(True)
         yield
+        if self.watchdog:
+            self.watchdog.pause(False)
         self.last_pause = time.perf_counter() - start
         self.interval_start += self.last_pause
 
@@ -406,11 +457,13 @@ class RunStats:
         best = min(finite, key=lambda e: e[1]) if finite else [None, None]
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval_loss": eval_loss,
                 "perplexity": perplexity(eval_loss) if eval_loss is not None else None, "evals": self.evals,
-                "best_step": best[0], "best_eval_loss": best[1], "eval_time_s": self.eval_time,
+                "best_step": best[0], "best_eval_loss": best[1], "final_step": self.final_step or self.step,
+                "eval_time_s": self.eval_time,
                 "train_runtime_s": self.train_time, "train_tokens": self.tokens,
                 "tokens_per_sec": self.tokens / self.train_time if self.train_time else None,
                 "mfu": self.mfu(steady), "log_intervals": self.intervals,
-                "peak_memory_bytes": peak_memory_bytes(self.device), "model_state_bytes_per_rank": held_bytes,
+                "peak_memory_bytes": peak_memory_bytes(self.device), "peak_memory_gb_per_rank": self.rank_memory,
+                "model_state_bytes_per_rank": held_bytes,
                 "trainable_params": self.trainable, "total_params": self.total, "world_size": world_size,
                 "global_batch_size": global_batch, "precision": self.args.precision, "ran": what_ran(self.model)}
 

@@ -67,13 +67,17 @@ def first_host(nodelist):
     return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first.group(1))
 
 
-def collective_timeout(seconds):
-    """A bound on every collective. init_process_group's timeout covers only the world group; DeepSpeed builds its
-    ZeRO groups with new_group(), which falls back to torch's module default (30 min on gloo, 10 on NCCL), so a
-    stuck rank would hang the others that long. Set that default too, before DeepSpeed makes its groups."""
+def collective_settings(args):
+    """Before the process group is made: a bound on every collective, --dist-timeout, and torch's flight recorder
+    on (hangs.py reads it when a rank stops). init_process_group's timeout covers only the world group; DeepSpeed
+    builds its ZeRO groups with new_group(), which falls back to torch's module default (30 min on gloo, 10 on NCCL),
+    so a stuck rank would hang the others that long. Set that default too, before DeepSpeed makes its groups."""
     import torch.distributed.distributed_c10d as c10d
 
-    timeout = datetime.timedelta(seconds=seconds)
+    from . import hangs
+
+    hangs.flight_recorder_env(args.output_dir)
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     return timeout
 

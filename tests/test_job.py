@@ -7,6 +7,7 @@ import getpass
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def test_the_shipped_hostfile_parses():
     assert preflight.parse_hostfile(ROOT / "job" / "hostfile") == [("node1", 8), ("node2", 8)]
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "srun"])
 def test_slurm_script_writes_the_hostfile_and_the_launch(tmp_path, launcher):
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -146,17 +147,99 @@ def test_slurm_script_writes_the_hostfile_and_the_launch(tmp_path, launcher):
     # the port is the job's own, the one zero.slurm_env gives tasks srun starts without a launcher
     port = zero.slurm_env({**env, "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})["MASTER_PORT"]
     assert port == "20042"
-    run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m"], env=env,
+    run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m", "--overwrite"], env=env,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "hostfile").read_text() == "gpu07 slots=4\ngpu08 slots=4\n"
+    flags = "zero-optimization.py --deepspeed --resume auto --model m --overwrite"
     if launcher == "deepspeed":
         assert (f".venv/bin/deepspeed --hostfile={tmp_path}/hostfile --master_addr=gpu07 --master_port=20042 "
-                "zero-optimization.py --deepspeed --model m") in run.stdout
-    else:
+                f"{flags}") in run.stdout
+    elif launcher == "torchrun":
         assert ("srun --ntasks-per-node=1 --cpus-per-task=32 .venv/bin/torchrun --nnodes=2 --nproc_per_node=4 "
-                "--rdzv_backend=c10d --rdzv_endpoint=gpu07:20042 --rdzv_id=42 zero-optimization.py --deepspeed --model m") in run.stdout
+                "--rdzv_backend=c10d --rdzv_endpoint=gpu07:20042 --rdzv_id=42 "
+                "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=280 "
+                f"{flags}") in run.stdout
+    else:
+        assert f"srun --ntasks-per-node=4 --cpus-per-task=8 --kill-on-bad-exit=1 .venv/bin/python3 {flags}" in run.stdout
     assert "hosts: gpu07 gpu08 (4 GPUs each" in run.stdout
+    # a requeued job continues: never --overwrite
+    run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m", "--overwrite"],
+                         env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True)
+    assert run.returncode == 0 and "--resume auto --model m\n" in run.stdout and "--overwrite dropped" in run.stdout
+
+
+FAKE_RANK = """#!/bin/bash
+# a rank: exits 75 on SIGUSR1 (stopped with its checkpoint; 0 if it was exporting: FAKE_FINISH), else with
+# FAKE_STATUS, or 1 after 30 s
+trap 'echo usr1 >> "$FAKE_LOG"; [ -n "${FAKE_FINISH:-}" ] && exit 0; exit 75' USR1
+[ -n "${FAKE_STATUS:-}" ] && exit "$FAKE_STATUS"
+touch "$FAKE_READY"
+sleep 30 >/dev/null 2>&1 & wait $!  # (not holding the output pipe open after a trap's exit)
+exit 1
+"""
+FAKE_DEEPSPEED = """#!/bin/bash
+# the deepspeed runner: starts a launch.py (named so in its command line), which starts the rank and passes on its
+# status, and nothing else: SIGUSR1 is not forwarded by either
+port=$(printf '%s\\n' "$@" | grep -- --master_port=)
+bash -c 'bash "$1" & wait $!' deepspeed.launcher.launch "$FAKE_BIN/rank" "$port" & wait $!
+"""
+FAKE_TORCHRUN = """#!/bin/bash
+# torchrun with --signals-to-handle ...SIGUSR1: passes it to its ranks, then reports their exit as a failure
+trap 'echo usr1 >> "$FAKE_LOG"; exit 1' USR1
+touch "$FAKE_READY"
+sleep 30 >/dev/null 2>&1 & wait $!  # (not holding the output pipe open after a trap's exit)
+"""
+FAKE_SRUN = """#!/bin/bash
+# srun: its options dropped, the command run (it passes the signals it gets on to its tasks: here the command itself)
+while [ "${1#--}" != "$1" ]; do shift; done
+exec "$@"
+"""
+
+
+@pytest.mark.parametrize("launcher, status, signal_it, finished, requeued", [
+    ("deepspeed", 0, False, True, False),     # finished
+    ("deepspeed", 1, False, False, False),    # failed
+    ("deepspeed", 75, False, False, True),    # a rank was signalled (preemption): stopped with its checkpoint
+    ("deepspeed", None, True, False, True),   # the time limit's SIGUSR1: forwarded to the rank, which stops
+    ("torchrun", None, True, False, True),    # torchrun reports the stop as a failure: the signal decides
+    ("srun", None, True, False, True),        # srun passes the signal to the ranks, and their status back
+    ("srun", None, True, True, False),        # the signal came as the run finished: nothing to continue
+])
+def test_the_slurm_script_requeues_a_run_that_stopped_to_be_resumed(tmp_path, launcher, status, signal_it, finished,
+                                                                      requeued):
+    """job/slurm.sbatch run as SLURM runs it, with stand-ins for SLURM's commands and the launchers: SIGUSR1 to the
+    batch script (--signal=B:USR1@...) reaches a rank of the run; `scontrol requeue` follows a run that stopped to
+    be resumed, and only such a run."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, text in (("rank", FAKE_RANK), ("deepspeed", FAKE_DEEPSPEED), ("torchrun", FAKE_TORCHRUN),
+                       ("srun", FAKE_SRUN), ("python3", FAKE_RANK),
+                       ("scontrol", '#!/bin/sh\nif [ "$1" = show ]; then echo localhost; else echo "$@" >> "$FAKE_LOG"; fi\n')):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    if finished:
+        (out / "results.json").write_text("{}")
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHON_BIN": str(fake), "FAKE_BIN": str(fake),
+           "FAKE_LOG": str(tmp_path / "log"), "FAKE_READY": str(tmp_path / "ready"), "SLURM_JOB_NODELIST": "localhost",
+           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "1", "LAUNCHER": launcher,
+           "HOSTFILE": str(tmp_path / "hostfile"), "MASTER_PORT": str(free_port()), "FAKE_STATUS": "" if status is None else str(status),
+           "FAKE_FINISH": "1" if finished else ""}
+    script = subprocess.Popen(["bash", str(ROOT / "job" / "slurm.sbatch"), f"--output-dir={out}"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if signal_it:
+        deadline = time.time() + 30
+        while not (tmp_path / "ready").exists() and time.time() < deadline:
+            time.sleep(0.02)
+        script.send_signal(signal.SIGUSR1)
+    output = script.communicate(timeout=60)[0]
+    said = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
+    if signal_it:  # the rank (or torchrun) got it from the batch script
+        assert "usr1" in said and "SIGUSR1: the ranks stop after the step in flight" in output, output
+    assert ("requeue 7" in said) == requeued, (said, output)
+    assert script.returncode == (0 if requeued or finished else status), output
 
 
 def test_processes_started_the_way_srun_starts_them_form_one_world(tiny, tmp_path):

@@ -2,6 +2,7 @@
 leaves a loadable checkpoint, a NaN loss stops the run, and more bad input ends with one line."""
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune import training
+from finetune import hangs, training
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
                       load_script, results, weights)
 from test_single import assert_resumed, crash_after_first_checkpoint
@@ -23,9 +24,9 @@ single = load_script("single-gpu.py")
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 
 
-def start(argv, log):
+def start(argv, log, **env):
     """The deepspeed launcher with 2 CPU ranks, in the background."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
     cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "zero-optimization.py", *argv]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)  # a process group of its own, as a SLURM step or a container
@@ -164,16 +165,49 @@ def test_a_killed_rank_ends_the_job_and_resume_gives_the_uninterrupted_run(tiny,
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-50", "step-55", "step-60"]
 
 
-def test_a_rank_that_stops_answering_ends_the_job_within_the_timeout(tiny, tmp_path):
-    out = tmp_path / "stuck"
-    launcher = start(long_run(tiny, out, "--dist-timeout", "10"), tmp_path / "log")
-    # SIGSTOP: alive but silent, like a hung GPU
-    ended_after = signal_rank_1_after_a_checkpoint(launcher, out, signal.SIGSTOP, timeout=180)
+def test_a_stalled_rank_is_named_and_every_rank_leaves_its_stacks(tiny, tmp_path):
+    """Rank 1 stops after step 3 (FINETUNE_TEST_STALL, a switch for tests), rank 0 waits for it in the next
+    collective. Half of --dist-timeout later every rank writes its stacks and its flight recorder, and rank 0 ends
+    the job with one line saying where each rank is, well before the collective itself would time out."""
+    out = tmp_path / "stalled"
+    started = time.time()
+    launcher = start(long_run(tiny, out, "--dist-timeout", "20"), tmp_path / "log", FINETUNE_TEST_STALL="1:3")
+    try:
+        launcher.wait(timeout=120)
+        while time.time() < started + 120 and group_alive(launcher.pid):
+            time.sleep(0.1)
+        ended = time.time()
+    finally:
+        stop_everything(launcher)
     log = (tmp_path / "log").read_text()
-    # rank 0 gives up after --dist-timeout; the launcher then allows 30 s after SIGTERM (ignored while stopped)
-    assert launcher.returncode != 0 and ended_after < 10 + 30 + 15, (launcher.returncode, ended_after)
-    assert "error: rank 0: a collective failed" in log and "rerun with --resume" in log
-    assert "Traceback" not in log
+    lines = [line for line in log.splitlines() if line.startswith("error: no step finished")]
+    assert len(lines) == 1 and "Traceback" not in log, log[-3000:]
+    # 'error: no step finished for 10 s after step 3: rank 1 in beat at hangs.py:NN; rank 0 in all_reduce at
+    # training.py:NN; stacks in <out>/hang'
+    where = dict(reversed(part.split(" in ", 1)) for part in lines[0].split(": ", 2)[2].split("; stacks")[0].split("; "))
+    assert lines[0].startswith("error: no step finished for 10 s after step 3: ")
+    assert set(where.values()) == {"rank 0", "rank 1"} and launcher.returncode == hangs.HUNG, lines[0]
+    assert where_of(where, "rank 1").startswith("beat at hangs.py:")  # where the switch holds it
+    assert where_of(where, "rank 0").startswith("all_reduce at training.py:")  # the stop agreement after each step
+    for rank in (0, 1):
+        stacks = (out / "hang" / f"rank-{rank}.txt").read_text()
+        assert stacks.startswith(f"rank {rank}: no step finished for 10 s after step 3; main thread in ")
+        assert "thread MainThread:" in stacks and "thread hang-watchdog:" in stacks
+    # the flight recorders: on the world group, rank 0 entered one collective more than rank 1 (the agreement after
+    # step 3), which has not completed
+    last = {}
+    for rank in (0, 1):
+        recorded = pickle.loads((out / "hang" / "flight-recorder" / f"rank_{rank}").read_bytes())
+        last[rank] = max((e for e in recorded["entries"] if e["pg_id"] == 0), key=lambda e: e["collective_seq_id"])
+    assert last[0]["collective_seq_id"] == last[1]["collective_seq_id"] + 1, last
+    assert last[0]["profiling_name"] == "gloo:all_reduce" and last[0]["state"] != "completed", last[0]
+    took = ended - started
+    sys.stdout.write(f"hang: the job ended {took:.1f} s after its launch (threshold 10 s, --dist-timeout 20)\n")
+    assert took < 20 + 30, took  # the launch, 3 steps, the 10 s threshold, rank 0's wait for the reports
+
+
+def where_of(where, rank):
+    return next(place for place, ranks in where.items() if ranks == rank)
 
 
 @pytest.mark.parametrize("stage, saved_by, resumed_on", [(2, 2, 1), (3, 1, 2), (0, 2, 1)])

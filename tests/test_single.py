@@ -88,15 +88,18 @@ def dropout_model(tiny, folder):
 
 
 def test_evaluating_changes_nothing_in_the_training(tmp_path, tiny):
-    """With dropout on, a run that evaluates after every step and one that evaluates at the end only: the same
-    losses and gradient norms, bit for bit. Each eval is recorded; a checkpoint's run.json carries its step's."""
+    """With dropout on, a run that evaluates after every step (and answers eval prompts for TensorBoard) and one
+    that evaluates at the end only: the same losses and gradient norms, bit for bit. Each eval is recorded; a
+    checkpoint's run.json carries its step's."""
     model = dropout_model(tiny, tmp_path / "dropout-model")
     runs = {}
     for every in (1, 0):
         out = tmp_path / f"every-{every}"
         single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--model": str(model),
-                                            "--eval-every": every}))
+                                            "--eval-every": every, "--dataset": tiny["chats"], "--block-size": 64})
+                    + (["--report-to", "tensorboard"] if every else []))
         runs[every] = results(out)
+    assert (tmp_path / "every-1" / "tensorboard").is_dir()
     assert runs[1]["losses"] == runs[0]["losses"] and runs[1]["grad_norms"] == runs[0]["grad_norms"]
     assert [s for s, _ in runs[1]["evals"]] == [1, 2, 3, 4] and [s for s, _ in runs[0]["evals"]] == [4]
     assert runs[1]["evals"][-1] == runs[0]["evals"][-1] == [4, runs[0]["eval_loss"]]
@@ -110,13 +113,14 @@ def test_evaluating_changes_nothing_in_the_training(tmp_path, tiny):
 
 def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, tiny, monkeypatch):
     """--report-to tensorboard wandb, a crash after the step-2 checkpoint, a resume: TensorBoard's own reader finds
-    each step's loss and gradient norm once, as results.json has them, and the evals at their steps; W&B (offline)
-    wrote its run, and the resume continued the same run id."""
+    each step's loss and gradient norm once, as results.json has them, the evals at their steps with the answers to
+    the first eval chats, and the peak memory; W&B (offline) wrote its run, and the resume continued the same run id."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
-    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--eval-every": 2})
+    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--eval-every": 2, "--dataset": tiny["chats"],
+                                   "--block-size": 64})
     argv += ["--report-to", "tensorboard", "wandb"]
     single.main(argv)
     crash_after_first_checkpoint(out)
@@ -130,6 +134,23 @@ def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, t
         assert_close_losses(want, [v for _, v in scalars(tag)], rtol=1e-6)  # float32 in the event file
     assert [(s, pytest.approx(v, rel=1e-6)) for s, v in r["evals"]] == scalars("eval/loss")
     assert {"train/learning_rate", "train/tokens_per_second", "eval/perplexity"} <= set(events.Tags()["scalars"])
+    memory = [v for _, v in scalars("memory/rank_0_peak_gb")]  # each rank's, here the one; the process's peak RSS
+    assert len(memory) == 4 and memory[-1] == pytest.approx(r["peak_memory_gb_per_rank"][0], rel=1e-6)
+    assert 0.1 < memory[-1] < 24
+    samples = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("eval/samples/text_summary")}
+    chats = [json.loads(line)["messages"] for line in open(tiny["chats"])]
+    turns = {(m[-2]["content"], m[-1]["content"]) for m in chats}  # (question, answer) of each chat's last turn
+    assert sorted(samples) == [2, 4] and samples[4].startswith("prompt | expected | answer\n--- | --- | ---\n")
+    rows = [line.split(" | ") for line in samples[4].splitlines()[2:]]
+    assert len(rows) == 3 and all(len(row) == 3 for row in rows), samples[4]
+    assert all((q.replace("<br>", "\n"), a.replace("<br>", "\n")) in turns for q, a, _ in rows)
+    tokenizer, model = AutoTokenizer.from_pretrained(out / "final"), AutoModelForCausalLM.from_pretrained(out / "final")
+    for question, _, answer in rows:  # the step-4 model's own greedy answers (final/ is that model)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question.replace("<br>", "\n")}],
+                                             tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, -63:]  # 64 positions
+        new = model.generate(ids, max_new_tokens=64 - ids.shape[1], do_sample=False)[0, ids.shape[1]:]
+        assert tokenizer.decode(new, skip_special_tokens=True).strip() == answer
     run_id = (out / "wandb-run-id").read_text()
     runs = sorted((out / "wandb").glob("offline-run-*"))
     # the first launch and the resume (one folder when both began within the same second): one run id
@@ -209,6 +230,7 @@ def test_no_packing_and_bf16(tmp_path, tiny):
     ({"--block-size": 1}, "--block-size must be at least 2"),
     ({"--block-size": 65}, "--block-size 65 is beyond the model's 64 positions"),
     ({"--max-steps": 0, "--epochs": 0}, "set --epochs or --max-steps"),
+    ({"--final": "best", "--save-every": 0}, "--final best exports the checkpoint with the lowest eval loss: set"),
     ({"--batch-size": 4000}, "less than one global batch of 4000"),
 ])
 def test_bad_input_is_one_line(tmp_path, tiny, overrides, message):

@@ -93,6 +93,10 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage,
         events.Reload()
         assert [e.step for e in events.Scalars("eval/loss")] == evaluated
         assert_close_losses(r["losses"], [e.value for e in events.Scalars("train/loss")], rtol=1e-6)
+        # each rank's peak memory (its process's peak RSS here), brought to rank 0 with the losses
+        memory = [events.Scalars(f"memory/rank_{rank}_peak_gb")[-1].value for rank in (0, 1)]
+        assert memory == pytest.approx(r["peak_memory_gb_per_rank"], rel=1e-6) and all(0.1 < m < 24 for m in memory)
+        assert memory[0] != memory[1]  # two processes' own figures, not one rank's twice
     assert r["train_tokens"] == ref["train_tokens"]
     # what ran, read from the engine: the stage asked for, fp32, the optimizer offload puts on the CPU
     assert r["ran"] == {"weights_dtype": "float32", "gradient_checkpointing": checkpointing, "zero_stage": stage,
@@ -245,12 +249,23 @@ def test_compile_changes_the_kernels_not_the_run(tiny, tmp_path, reference, scri
 
 
 def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
+    """Also --final best under ZeRO: at a learning rate of 1 the eval loss is lowest after step 1, and final/ is
+    that checkpoint's weights (DeepSpeed's own consolidation of it), as single-gpu.py exports it."""
     out = tmp_path / "run"
-    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 2})
+    best = {"--lr": 1.0, "--eval-every": 1, "--save-every": 1, "--keep-checkpoints": 1, "--max-train-samples": 8,
+            "--max-steps": 6, "--final": "best"}
+    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 2, **best})
     check(launch("python", ZERO, argv))
-    r = results(out)
+    r, (ref, ref_weights) = results(out), reference(**best)
     assert r["world_size"] == 1
-    assert_close_losses(reference()[0]["losses"], r["losses"])
+    assert_close_losses(ref["losses"][:3], r["losses"][:3])  # then a learning rate of 1 grows fp32 rounding (1e-4)
+    assert r["best_step"] == r["final_step"] == ref["final_step"] == 1 and r["evals"][-1][1] > r["evals"][0][1]
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step-1")
+    final = weights(out / "final")
+    assert_same_weights({k: step_1[k] for k in final}, final, atol=0)
+    assert_same_weights(ref_weights, final)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-1", "step-6"]
 
 
 def test_demo_under_the_deepspeed_launcher(tmp_path):
