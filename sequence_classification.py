@@ -10,6 +10,7 @@ Places to tune are marked `To-Do:`.
 """
 import argparse
 import contextlib
+import shutil
 import time
 from pathlib import Path
 
@@ -128,17 +129,43 @@ def quiet_loading(verbose):
         transformers.utils.logging.set_verbosity(level)
 
 
-def check_trainer_resume(folder, world_size, deepspeed):
-    """The HF Trainer resumes from its newest checkpoint-N. Under DeepSpeed that holds one optimizer shard per rank,
-    which the Trainer loads as it is: another number of ranks would end in DeepSpeed's traceback on every rank."""
-    from transformers.trainer_utils import get_last_checkpoint
-    last = get_last_checkpoint(str(folder))  # there is one: prepare_output_dir checked
+def complete_checkpoints(folder):
+    """The Trainer's checkpoint-N folders that were written to the end (trainer_state.json is its last file: the
+    Trainer writes into checkpoint-N directly, so a kill in a save leaves a partial one), oldest first."""
+    done = [p for p in Path(folder).glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def check_trainer_resume(folder, world_size, deepspeed, rank):
+    """The newest complete checkpoint-N, to resume from; newer partial ones are removed (rank 0). Under DeepSpeed it
+    holds one optimizer shard per rank, which the Trainer loads as it is: another number of ranks would end in
+    DeepSpeed's traceback on every rank."""
+    done = complete_checkpoints(folder)
+    if not done:
+        training.fail(f"--resume: {folder} has no complete checkpoint; start over with --overwrite")
+    last = done[-1]
+    for partial in Path(folder).glob("checkpoint-*"):
+        if rank == 0 and partial not in done and int(partial.name.split("-")[1]) > int(last.name.split("-")[1]):
+            shutil.rmtree(partial, ignore_errors=True)
     saved = len(list(Path(last).glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
     if deepspeed and saved != world_size:
         training.fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with "
                       f"{saved} (the Trainer loads DeepSpeed's optimizer shards as they are; zero-optimization.py can "
                       f"change the number)")
     return Path(last)
+
+
+class StopOnSignal(TrainerCallback):
+    """SIGTERM or SIGUSR1 on any rank (training.Stop): after the step in flight the Trainer saves a checkpoint and
+    stops training, on every rank; main() then exits 75, to be resumed (`--resume auto`)."""
+
+    def __init__(self, stop):
+        self.stop, self.step = stop, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.due():  # every rank, every step: the ranks agree (one tiny all-reduce)
+            control.should_save = control.should_training_stop = True
+            self.step = state.global_step
 
 
 def parse_args(argv=None):
@@ -164,7 +191,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=42)
     # run
     p.add_argument("--output-dir", default="out/classification")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    p.add_argument("--resume", nargs="?", const="newest", choices=["newest", "auto"],
+                   help="continue from the newest checkpoint in --output-dir (auto: if there is one, else start)")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
     p.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"],
                    help="W&B reads WANDB_API_KEY from the environment")
@@ -199,12 +227,17 @@ def main(argv=None):
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
     hidden_size = models.load_pretrained(AutoConfig, args.model, **remote).hidden_size
     ds_config, optimizer_args = trainer_deepspeed_config(args.deepspeed, device, hidden_size, args)
+    if args.resume == "auto":  # one command line for the first submission and every requeue
+        args.resume = "newest" if not args.overwrite and complete_checkpoints(Path(args.output_dir) / "checkpoints") \
+            else None
     out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
-    if args.resume:
-        say(f"resuming from {check_trainer_resume(out / 'checkpoints', world_size, args.deepspeed).name}")
+    resume = check_trainer_resume(out / "checkpoints", world_size, args.deepspeed, rank) if args.resume else None
+    if resume:
+        say(f"resuming from {resume.name}")
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         import deepspeed
         deepspeed.init_distributed()
+    stop = StopOnSignal(training.Stop())  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
 
     # -------------------------------------------------------------------------------- data
     train, evaluation = data.load_splits(args.dataset, seed=args.seed)
@@ -250,14 +283,16 @@ def main(argv=None):
 
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-                      compute_metrics=compute_metrics, callbacks=[EpochLine(say)])
+                      compute_metrics=compute_metrics, callbacks=[EpochLine(say), stop])
     if not args.verbose:
         trainer.remove_callback(PrinterCallback)  # a dict of figures every logging_steps: EpochLine instead
 
     # -------------------------------------------------------------------------------- train, evaluate, save
     start = time.perf_counter()
-    train_metrics = trainer.train(resume_from_checkpoint=True if args.resume else None).metrics
+    train_metrics = trainer.train(resume_from_checkpoint=str(resume) if resume else None).metrics
     train_time = time.perf_counter() - start
+    if stop.step is not None:  # stopped by a signal, its checkpoint written
+        stop.stop.exit(stop.step, say)
     metrics = trainer.evaluate()  # the best epoch's model, reloaded at the end of training
     final = out / "final"
     trainer.save_model(str(final))  # a collective under ZeRO-3: the shards are gathered

@@ -82,8 +82,9 @@ def check_args(args, max_positions):
     if args.final == "best" and not args.save_every:
         fail("--final best exports the checkpoint with the lowest eval loss: set --save-every (a multiple of "
              "--eval-every) so that there are checkpoints to choose from")
-    if args.resume == "auto":  # one command line for the first submission and every requeue
-        args.resume = "newest" if (Path(args.output_dir) / "checkpoints" / "latest").exists() else None
+    if args.resume == "auto":  # one command line for the first submission and every requeue (--overwrite: start over)
+        args.resume = "newest" if not args.overwrite and (Path(args.output_dir) / "checkpoints" / "latest").exists() \
+            else None
     if args.block_size < 2:
         fail("--block-size must be at least 2 (a token and the next one to predict)")
     if max_positions and args.block_size > max_positions:

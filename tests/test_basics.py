@@ -1,4 +1,4 @@
-"""Every lesson in basics/ under torchrun on CPU with 2 and 4 processes: exit code, and the values it prints."""
+"""Every lesson in basics/ under torchrun on CPU with 2 and 3 processes (an even world and an odd one, which splits\nunevenly): exit code, and the values it prints."""
 import re
 
 import pytest
@@ -15,7 +15,7 @@ def checks(stdout, rank):
     return [name for name, _ in lines]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson(lesson, n):
     run = launch("torchrun", f"basics/{lesson}.py", [], nproc=n, timeout=300)

@@ -1,12 +1,19 @@
 """sequence_classification.py: string labels, both shipped DeepSpeed configs on 2 processes, the saved model behind
 pipeline(), one process without DeepSpeed, and bad input."""
 import csv
-import shutil
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
 
 import pytest
 from transformers import pipeline
 
-from conftest import assert_close_losses, check, demo, launch, load_script, results
+from conftest import ROOT, assert_close_losses, check, demo, free_port, launch, load_script, results
 
 classification = load_script("sequence_classification.py")
 
@@ -85,30 +92,52 @@ def test_two_processes_with_each_shipped_config(two_ranks):
     assert_same_training(*(results(out) for _, out, _ in two_ranks.values()))
 
 
-def test_resume_after_a_crash_and_on_another_number_of_ranks(two_ranks, tmp_path):
-    """ZeRO-3 on 2 ranks, 1 epoch per checkpoint; a crash after the first; a resume on 1 rank is one line (the Trainer
-    loads DeepSpeed's shards as they are), a resume on 2 finishes the run as the uninterrupted one did."""
+def test_a_signal_stops_it_with_a_checkpoint_and_it_resumes_on_the_same_number_of_ranks(two_ranks, tmp_path):
+    """ZeRO-3 on 2 ranks, SIGUSR1 to rank 1 in the second epoch: the Trainer saves after the step in flight on every
+    rank and the run exits 75. A resume on 1 rank is one line (the Trainer loads DeepSpeed's shards as they are);
+    `--resume auto` on 2 finishes the run. (The rest of the second epoch is not the uninterrupted run's: the
+    Trainer's own skipping of the batches already seen in an epoch, under 2 processes, gave a gradient norm 7% off at
+    the next log; resumes at an epoch's end are exact. The pair's resume is exact anywhere: test_reliability.py.)"""
     args, finished, _ = two_ranks["ds_config_zero3.json"]
     out = tmp_path / "run"
-    shutil.copytree(finished, out)
-    args = [str(out) if a == str(finished) else a for a in args]
-    uninterrupted = results(out)
-    first = sorted((out / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
-    for done in [out / "results.json", out / "final", *(p for p in (out / "checkpoints").glob("checkpoint-*")
-                                                        if p != first)]:
-        shutil.rmtree(done) if done.is_dir() else done.unlink()
-    one = launch("python", "sequence_classification.py", args + ["--resume"])
+    args = [str(out) if a == str(finished) else a for a in args] + ["--resume", "auto"]  # nothing yet: starts
+    uninterrupted = results(finished)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
+                                 str(free_port()), "sequence_classification.py", *args], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not list((out / "checkpoints").glob("checkpoint-*/trainer_state.json")):  # the first epoch's
+            assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
+            time.sleep(0.05)
+        rank_1 = next(c for c in psutil.Process(launcher.pid).children(recursive=True)
+                      if "--local_rank=1" in " ".join(c.cmdline()))
+        os.kill(rank_1.pid, signal.SIGUSR1)
+        log = launcher.communicate(timeout=120)[0]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    stopped = [line for line in log.splitlines() if line.startswith("stopped by ")]
+    assert launcher.returncode == 75 and len(stopped) == 1 and "Traceback" not in log, log[-3000:]
+    step = int(stopped[0].split(" after step ")[1].split(",")[0])
+    last = max((out / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert last.name == f"checkpoint-{step}" and not (out / "results.json").exists()
+    epoch = uninterrupted["train_log"][-1]["step"] // 2  # steps in an epoch
+    assert epoch < step < 2 * epoch, (step, epoch)  # in the second epoch
+    one = launch("python", "sequence_classification.py", args)
     assert one.returncode != 0 and "Traceback" not in one.stderr
-    assert (f"{first} was written by 2 ranks and this run has 1; resume with 2"
+    assert (f"{last} was written by 2 ranks and this run has 1; resume with 2"
             in one.stderr.strip().splitlines()[-1]), one.stderr[-2000:]
-    written = (first / "trainer_state.json").stat().st_mtime_ns
-    two = check(launch("deepspeed", "sequence_classification.py", args + ["--resume"]))
-    assert (first / "trainer_state.json").stat().st_mtime_ns == written  # a restart would have written it again
-    assert f"resuming from {first.name}" in two.stdout
+    written = (last / "trainer_state.json").stat().st_mtime_ns
+    two = check(launch("deepspeed", "sequence_classification.py", args))
+    assert (last / "trainer_state.json").stat().st_mtime_ns == written  # a restart would have written it again
+    assert f"resuming from {last.name}" in two.stdout
     r = results(out)
     assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
-    # the second epoch as the uninterrupted run's: the optimizer state came back
-    assert_same_training(uninterrupted, r, resumed_at=int(first.name.split("-")[1]))
+    assert [h["step"] for h in r["train_log"]] == [h["step"] for h in uninterrupted["train_log"]]
+    before = [h for h in uninterrupted["train_log"] if h["step"] <= step]  # logged before the stop, kept
+    assert r["train_log"][:len(before)] == before
 
 
 def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path, one_process):

@@ -242,27 +242,6 @@ def test_the_slurm_script_requeues_a_run_that_stopped_to_be_resumed(tmp_path, la
     assert script.returncode == (0 if requeued or finished else status), output
 
 
-def test_processes_started_the_way_srun_starts_them_form_one_world(tiny, tmp_path):
-    """`srun -n 2 python3 zero-optimization.py`: no launcher sets RANK; each task has SLURM_PROCID and friends, and
-    the two form one world of 2 (not two silent worlds of one) that trains the single process's batches."""
-    out = tmp_path / "srun"
-    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2}) + ["--deepspeed"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("SLURM")}
-    env.update(OMP_NUM_THREADS="1", SLURM_JOB_ID="4242", SLURM_STEP_NUM_TASKS="2", SLURM_NTASKS="2",
-               SLURM_STEP_NODELIST="localhost", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(free_port()))
-    tasks = [subprocess.Popen([sys.executable, "zero-optimization.py", *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**env, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)}) for task in (0, 1)]
-    outputs = [task.communicate(timeout=600) for task in tasks]
-    assert [t.returncode for t in tasks] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    r = results(out)
-    assert r["world_size"] == 2 and r["global_batch_size"] == 8
-    assert "x 2 ranks" in outputs[0][0] and outputs[1][0].count("step 4/4") == 0  # one world; rank 0 prints
-    single.main(base_args(tiny, tmp_path / "single", **{"--batch-size": 4, "--grad-accum": 2}))
-    assert_close_losses(results(tmp_path / "single")["losses"], r["losses"])
-
-
 def test_slurm_script_outside_slurm_says_so(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch")], cwd=ROOT, env=env, capture_output=True,

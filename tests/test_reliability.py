@@ -112,37 +112,113 @@ def uninterrupted(tiny, tmp_path_factory):
     return whole
 
 
-@pytest.mark.parametrize("to", ["rank 1", "the process group"])
-def test_a_signal_stops_every_rank_at_one_step_with_its_checkpoint(tiny, tmp_path, uninterrupted, to):
-    """SIGUSR1 to rank 1 alone (on a cluster only the signalled node knows: it tells the others), or SIGTERM to the
-    launcher's whole process group (as SLURM signals a step, as a container's init does): every rank stops after the
-    same step, its checkpoint published, and exits 75; `--resume auto` then gives the uninterrupted run's losses."""
-    out = tmp_path / "stopped"
-    launcher = start(long_run(tiny, out, "--resume", "auto"), tmp_path / "log")  # nothing to resume: a fresh start
-    try:
-        wait_for(out / "checkpoints" / "latest", launcher)
-        if to == "rank 1":
-            os.kill(rank_pid(launcher, 1), signal.SIGUSR1)
-        else:
-            os.killpg(launcher.pid, signal.SIGTERM)
-        sent_at = time.time()
-        launcher.wait(timeout=90)
-        while time.time() < sent_at + 90 and group_alive(launcher.pid):  # the launcher may leave before its ranks
-            time.sleep(0.1)
-        ended_after = time.time() - sent_at
-    finally:
-        stop_everything(launcher)
-    log = (tmp_path / "log").read_text()
-    stopped = [line for line in log.splitlines() if line.startswith("stopped by ")]
-    assert len(stopped) == 1 and "Traceback" not in log, log[-3000:]  # one line, from rank 0
-    step = int(stopped[0].split(" after step ")[1].split(",")[0])
-    assert stopped[0].startswith("stopped by SIGTERM" if to == "the process group" else "stopped by a signal")
-    assert (out / "checkpoints" / "latest").read_text() == f"step-{step}" and not (out / "results.json").exists()
-    assert ended_after < 60 and step < 60, (ended_after, step)
-    sys.stdout.write(f"signal to {to}: every process gone {ended_after:.1f} s after it, stopped after step {step}\n")
-    if to == "rank 1":  # the launcher passes the ranks' status on
-        assert launcher.returncode == training.STOPPED and "stopped by a signal to another rank" in stopped[0]
-    check(launch("deepspeed", "zero-optimization.py", long_run(tiny, out, "--resume", "auto")))
+def launched(how, argv, log):
+    """The run under a launcher, in a process group of its own (as a SLURM step, a container, a terminal's job):
+    (the processes to watch, the pid of the launcher or None). "srun": two processes started the way srun starts
+    tasks (SLURM's variables, no launcher)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if how == "srun":
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+            env.pop(name, None)
+        env.update(SLURM_JOB_ID="4242", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
+                   MASTER_PORT=str(free_port()))
+        tasks = []
+        try:
+            for task in (0, 1):
+                tasks.append(subprocess.Popen(
+                    [sys.executable, "zero-optimization.py", *argv], cwd=ROOT, stdout=open(log, "a"),
+                    stderr=subprocess.STDOUT, env={**env, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)},
+                    process_group=tasks[0].pid if tasks else 0))  # one group, as a SLURM step's tasks
+        except BaseException:
+            for t in tasks:
+                t.kill()
+            raise
+        return tasks, None
+    bin_dir, port = Path(sys.executable).parent, str(free_port())
+    cmd = ([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", port] if how == "deepspeed" else
+           [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port", port])
+    launcher = subprocess.Popen(cmd + ["zero-optimization.py", *argv], cwd=ROOT, env=env, stdout=open(log, "a"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return [launcher], launcher
+
+
+def ranks_of(processes, launcher):
+    """The rank processes' pids: the launcher's children running the script, or the tasks themselves."""
+    if launcher is None:
+        return [p.pid for p in processes]
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        ranks = [c for c in psutil.Process(launcher.pid).children(recursive=True)
+                 if "zero-optimization.py" in " ".join(c.cmdline()) and c.pid != launcher.pid
+                 and "deepspeed.launcher.launch" not in " ".join(c.cmdline())]
+        if len(ranks) == 2:
+            env_rank = lambda c: int(c.environ().get("RANK", -1))
+            return [c.pid for c in sorted(ranks, key=env_rank)]
+        time.sleep(0.1)
+    raise AssertionError("the ranks never started")
+
+
+# How each launcher is stopped, as schedulers do it: one rank alone (on a multi-node job only the nodes that were
+# signalled know), the launcher alone (Kubernetes signals a container's first process), every process of the job
+# (SLURM signals every process of a step at its time limit or a preemption; a terminal its foreground job).
+STOPS = [("deepspeed", "rank 1", signal.SIGUSR1), ("torchrun", "the launcher", signal.SIGTERM),
+         ("srun", "every task", signal.SIGUSR1), ("srun", "rank 0", signal.SIGTERM),
+         ("torchrun", "the process group", signal.SIGTERM), ("deepspeed", "the process group", signal.SIGTERM)]
+
+
+def test_a_signal_stops_every_rank_at_one_step_under_every_launcher(tiny, tmp_path, uninterrupted):
+    """One run stopped six times, once for each launcher and way of signalling, each time resumed with the same
+    command line (`--resume auto`, which started it fresh): every process exits within 60 s of the signal, after
+    the step in flight, its checkpoint published as `latest`, and the run ends with the uninterrupted run's losses
+    and weights. The deepspeed launcher and the srun tasks pass on the ranks' exit status 75; torchrun reports it as
+    a failure (job/slurm.sbatch decides by its own signal there)."""
+    out, log, stopped_at = tmp_path / "stopped", tmp_path / "log", 0
+    argv = long_run(tiny, out, "--resume", "auto")
+    for how, to, sig in STOPS:
+        before = (out / "checkpoints" / "latest").read_text() if stopped_at else None
+        processes, launcher = launched(how, argv, log)
+        group = processes[0].pid
+        try:
+            ranks = ranks_of(processes, launcher)
+            deadline = time.time() + 120  # a checkpoint of this launch's own: it is training
+            while ((out / "checkpoints" / "latest").read_text() if (out / "checkpoints" / "latest").exists()
+                   else None) in (before, None):
+                assert time.time() < deadline and all(p.poll() is None for p in processes), log.read_text()[-3000:]
+                time.sleep(0.05)
+            if to == "rank 1" or to == "rank 0":
+                os.kill(ranks[int(to[-1])], sig)
+            elif to == "the launcher":
+                os.kill(launcher.pid, sig)
+            else:
+                os.killpg(group, sig)
+            sent_at = time.time()
+            for p in processes:
+                p.wait(timeout=90)
+            while time.time() < sent_at + 90 and group_alive(group):  # a launcher may leave before its ranks
+                time.sleep(0.1)
+            ended_after = time.time() - sent_at
+        finally:
+            for p in processes:
+                stop_everything(p)
+        text = log.read_text()
+        stopped = [line for line in text.splitlines() if line.startswith("stopped by ")]
+        assert len(stopped) == 1, text[-3000:]  # one line, from rank 0
+        # no traceback of ours; torchrun, signalled itself, leaves with one of its own (SignalException)
+        assert "zero-optimization.py\", line" not in text and "finetune/" not in text, text[-3000:]
+        assert "Traceback" not in text or (how == "torchrun" and "SignalException" in text), text[-3000:]
+        step = int(stopped[0].split(" after step ")[1].split(",")[0])
+        assert (out / "checkpoints" / "latest").read_text() == f"step-{step}" and not (out / "results.json").exists()
+        assert ended_after < 60 and stopped_at < step < 60, (how, to, ended_after, step)
+        codes = [p.returncode for p in processes]
+        if how == "srun" or to.startswith("rank"):  # the deepspeed launcher alone dies of SIGTERM (on one node)
+            assert codes == [training.STOPPED] * len(processes), (how, to, codes)
+        if how == "srun":  # two tasks, one world: rank 0 alone speaks
+            assert "x 2 ranks" in text and text.count("stopped by ") == 1
+        sys.stdout.write(f"{how}, {sig.name} to {to}: every process gone {ended_after:.1f} s after it, stopped after "
+                         f"step {step}\n")
+        log.write_text("")
+        stopped_at = step
+    check(launch("deepspeed", "zero-optimization.py", argv))
     assert_close_losses(results(uninterrupted)["losses"], results(out)["losses"], rtol=1e-5)
     assert_same_weights(weights(uninterrupted / "final"), weights(out / "final"), atol=1e-4)
 
