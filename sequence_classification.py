@@ -20,7 +20,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from finetune import data, demo, hardware, models, training, zero
+from finetune import checkpoints, data, demo, hardware, models, training, zero
 
 
 def class_labels(train, evaluation, column, name):
@@ -156,7 +156,7 @@ def check_trainer_resume(folder, world_size, deepspeed, rank):
 
 
 class StopOnSignal(TrainerCallback):
-    """SIGTERM or SIGUSR1 on any rank (training.Stop): after the step in flight the Trainer saves a checkpoint and
+    """SIGTERM or SIGUSR1 on any rank (checkpoints.Stop): after the step in flight the Trainer saves a checkpoint and
     stops training, on every rank; main() then exits 75, to be resumed (`--resume auto`)."""
 
     def __init__(self, stop):
@@ -230,14 +230,14 @@ def main(argv=None):
     if args.resume == "auto":  # one command line for the first submission and every requeue
         args.resume = "newest" if not args.overwrite and complete_checkpoints(Path(args.output_dir) / "checkpoints") \
             else None
-    out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    out = checkpoints.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     resume = check_trainer_resume(out / "checkpoints", world_size, args.deepspeed, rank) if args.resume else None
     if resume:
         say(f"resuming from {resume.name}")
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         import deepspeed
         deepspeed.init_distributed()
-    stop = StopOnSignal(training.Stop())  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
+    stop = StopOnSignal(checkpoints.Stop())  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
 
     # -------------------------------------------------------------------------------- data
     train, evaluation = data.load_splits(args.dataset, seed=args.seed)

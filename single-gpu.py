@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
-from finetune import data, demo, hardware, loss, models, tracking, training
+from finetune import checkpoints, data, demo, hardware, loss, models, tracking, training
 
 
 def parse_args(argv=None):
@@ -95,7 +95,7 @@ def main(argv=None):
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
     config = models.load_pretrained(AutoConfig, args.model, **remote)
     training.check_args(args, getattr(config, "max_position_embeddings", None))
-    out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    out = checkpoints.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     torch.manual_seed(args.seed)
 
     # -------------------------------------------------------------------------------- data
@@ -110,7 +110,7 @@ def main(argv=None):
     warmup_steps = math.ceil(args.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
     # -------------------------------------------------------------------------------- model and optimizer
-    folder = training.resume_folder(out, args, world_size)[0] if args.resume else None  # the newest checkpoint
+    folder = checkpoints.resume_folder(out, args, world_size)[0] if args.resume else None  # the newest checkpoint
     model = models.load_causal_lm(args, config, device, **remote)  # fp32 master weights, the fastest attention
     config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
     model = models.prepare_model(model, args)  # LoRA adapters (--lora-rank), gradient checkpointing, chunked loss
@@ -123,14 +123,14 @@ def main(argv=None):
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()
     stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
-    stop = training.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
+    stop = checkpoints.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
     if folder:
         state = torch.load(folder / "state.pt", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        training.set_rng_state(state["rng"], device)
+        checkpoints.set_rng_state(state["rng"], device)
         stats.restore(state["stats"])
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
@@ -177,17 +177,17 @@ def main(argv=None):
                 (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                            "stats": stats.state(), "rng": training.rng_state(device)},
+                            "stats": stats.state(), "rng": checkpoints.rng_state(device)},
                            ckpt / f".tmp-{tag}" / "state.pt")
                 if rank == 0:  # what a resume checks, the arguments, the code's version
                     training.write_json(ckpt / f".tmp-{tag}" / "run.json",
-                                        training.run_record(step + 1, args, global_batch, world_size, model, stats))
-                    training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
+                                        checkpoints.run_record(step + 1, args, global_batch, world_size, model, stats))
+                    checkpoints.publish(ckpt, tag, args.keep_checkpoints)
         if stopping:
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
 
     # -------------------------------------------------------------------------------- sample
-    training.load_best(model, out, stats, args, total_steps, world_size, say)  # --final best: its checkpoint
+    checkpoints.load_best(model, out, stats, args, total_steps, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
 

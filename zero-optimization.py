@@ -17,7 +17,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
-from finetune import data, demo, hardware, loss, models, tracking, training
+from finetune import checkpoints, data, demo, hardware, loss, models, tracking, training
 from finetune import zero  # ZeRO
 
 
@@ -109,7 +109,7 @@ def main(argv=None):
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
     config = models.load_pretrained(AutoConfig, args.model, **remote)
     training.check_args(args, getattr(config, "max_position_embeddings", None))
-    out = training.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    out = checkpoints.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
     torch.manual_seed(args.seed)
 
     # -------------------------------------------------------------------------------- data
@@ -141,7 +141,7 @@ def main(argv=None):
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
     zero.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, ZeRO-0's gradient norm
     stats = training.RunStats(config, model, args, device, reduce=dist.all_reduce)  # ZeRO: sums the ranks' losses
-    stop = training.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
+    stop = checkpoints.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards
         zero.after_load(model, folder, rank, args, state["stats"]["step"], device)  # ZeRO: RNG per rank, ...
@@ -186,20 +186,20 @@ def main(argv=None):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
                 tag, ckpt = f"step-{step + 1}", out / "checkpoints"
                 (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
-                torch.save(training.rng_state(device), ckpt / f".tmp-{tag}" / f"rng-{rank}.pt")  # ZeRO: per rank
+                torch.save(checkpoints.rng_state(device), ckpt / f".tmp-{tag}" / f"rng-{rank}.pt")  # ZeRO: per rank
                 # ZeRO: a collective: every rank writes its shards (DeepSpeed's own `latest` would move before the
                 # other ranks are done: ours moves after the barrier)
                 model.save_checkpoint(ckpt, f".tmp-{tag}", client_state={"stats": stats.state()}, save_latest=False)
                 dist.barrier()  # ZeRO: every rank has finished writing
                 if rank == 0:  # what a resume checks, the arguments, the code's version
                     training.write_json(ckpt / f".tmp-{tag}" / "run.json",
-                                        training.run_record(step + 1, args, global_batch, world_size, model, stats))
-                    training.publish_checkpoint(ckpt, tag, args.keep_checkpoints)
+                                        checkpoints.run_record(step + 1, args, global_batch, world_size, model, stats))
+                    checkpoints.publish(ckpt, tag, args.keep_checkpoints)
         if stopping:
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
 
     # -------------------------------------------------------------------------------- sample
-    training.load_best(model, out, stats, args, total_steps, world_size, say)  # --final best: its checkpoint
+    checkpoints.load_best(model, out, stats, args, total_steps, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
 

@@ -55,13 +55,13 @@ class Watchdog:
 
     def __init__(self, out, seconds, rank, ranks, store=None, poll=1.0):
         self.out, self.seconds, self.rank, self.ranks, self.store = Path(out), seconds, rank, ranks, store
-        self.step, self.last, self.paused, self.poll = 0, None, False, poll
+        self.step, self.last, self.last_wall, self.paused, self.poll = 0, None, None, False, poll
         self.main = threading.main_thread()
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
 
     def beat(self, step):
         """A step finished."""
-        self.step, self.last = step, time.monotonic()
+        self.step, self.last, self.last_wall = step, time.monotonic(), time.time()
         stall = os.environ.get("FINETUNE_TEST_STALL")  # tests only: "rank:step" stops that rank after that step
         if stall == f"{self.rank}:{step}":
             time.sleep(3600)
@@ -86,8 +86,8 @@ class Watchdog:
         folder.mkdir(parents=True, exist_ok=True)
         where = whereabouts(sys._current_frames().get(self.main.ident))
         (folder / f"rank-{self.rank}.txt").write_text(
-            f"rank {self.rank}: no step finished for {self.seconds:.0f} s after step {self.step}; main thread in "
-            f"{where}\n\n{all_stacks()}")
+            f"rank {self.rank}: no step finished for {self.seconds:.0f} s after step {self.step} (which ended at "
+            f"{time.strftime('%H:%M:%S', time.localtime(self.last_wall))}); main thread in {where}\n\n{all_stacks()}")
         dump_flight_recorder(folder / "flight-recorder" / f"rank_{self.rank}")
         if self.store is not None:
             try:

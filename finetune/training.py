@@ -1,5 +1,5 @@
-"""What single-gpu.py and zero-optimization.py share and is not their lesson: checks, quiet output, the run folder
-and its checkpoints, random state, progress and throughput, evaluation, results."""
+"""What single-gpu.py and zero-optimization.py share and is not their lesson: checks, quiet output, the batch order,
+progress and throughput, evaluation, results (the run folder and its checkpoints: checkpoints.py)."""
 import contextlib
 import io
 import json
@@ -7,9 +7,6 @@ import logging
 import math
 import os
 import resource
-import shutil
-import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -25,9 +22,6 @@ ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 # skip that step), double after 1001 steps without one (DeepSpeed's loss_scale_window 1000 counts one step more than
 # torch's growth_interval). DeepSpeed's hysteresis is 1 there: torch has none.
 FP16_SCALER = {"init_scale": 2.0**16, "growth_interval": 1001}
-
-
-STOPPED = 75  # the exit status of a run a signal stopped, its checkpoint written: resume it (EX_TEMPFAIL)
 
 
 def fail(message):
@@ -98,190 +92,6 @@ def param_groups(model, weight_decay):
     matrix = lambda p: len(getattr(p, "ds_shape", p.shape)) >= 2
     return [{"params": [p for p in trainable if matrix(p)], "weight_decay": weight_decay},
             {"params": [p for p in trainable if not matrix(p)], "weight_decay": 0.0}]
-
-
-# ----------------------------------------------------------------------------------------------------
-# The run folder and its checkpoints
-
-def prepare_output_dir(path, overwrite, resume, rank):
-    """Refuse to overwrite a run by accident: a finished one needs --overwrite, an unfinished one --resume."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        fail(f"--output-dir {out} is a file; pass a folder")
-    # started: a complete checkpoint, ours (`latest`) or the HF Trainer's (checkpoint-N); a run killed in its first
-    # save has nothing to resume and starts over
-    ckpt = out / "checkpoints"
-    finished, started = (out / "results.json").exists(), (ckpt / "latest").exists() or any(ckpt.glob("checkpoint-*"))
-    if overwrite:
-        if rank == 0:
-            for name in ("results.json", "loss.png", "wandb-run-id"):
-                (out / name).unlink(missing_ok=True)
-            for name in ("checkpoints", "final", "tensorboard", "wandb"):  # the trackers' curves start over too
-                shutil.rmtree(out / name, ignore_errors=True)
-    elif finished:
-        fail(f"{out} holds a finished run; pass --overwrite to replace it or choose another --output-dir")
-    elif started and not resume:
-        fail(f"{out} holds an unfinished run; pass --resume to continue it or --overwrite to start over")
-    elif resume and not started:
-        fail(f"--resume: {out} has no checkpoints to resume from")
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for partial in (out / "checkpoints").glob(".tmp-*"):  # a save that was killed half-way
-            shutil.rmtree(partial, ignore_errors=True)
-    return out
-
-
-def resume_folder(out, args, world_size, zero_stage=None):
-    """The newest complete checkpoint (`checkpoints/latest` only ever names one), and what it was written with (its
-    run.json). The batch order is a function of the step and the global batch, so a resume that changes the global
-    batch would train on other data: refused; and a change of ZeRO stage (each lays its files out differently)."""
-    root = Path(out) / "checkpoints"
-    try:
-        tag = (root / "latest").read_text().strip()
-    except FileNotFoundError:
-        fail(f"--resume: {root} has no complete checkpoint (no 'latest' pointer); start over with --overwrite")
-    folder = root / tag
-    if not folder.is_dir():
-        fail(f"--resume: {root / 'latest'} names {tag}, which is missing; point it at a step-N folder there")
-    try:
-        saved = json.loads((folder / "run.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        fail(f"--resume: {folder} has no readable run.json (written by an older version?); start over with --overwrite")
-    want, per_micro_step = saved["global_batch_size"], args.batch_size * world_size
-    if args.batch_size * args.grad_accum * world_size != want:
-        hint = (f"--grad-accum {want // per_micro_step}" if want % per_micro_step == 0
-                else "--batch-size and --grad-accum")
-        fail(f"--resume: {folder} trained on global batches of {want} sequences and this run makes "
-             f"{args.batch_size} x {args.grad_accum} micro-steps x {world_size} ranks = "
-             f"{args.batch_size * args.grad_accum * world_size}; pass {hint} to make {want}, or the steps would see "
-             f"other data")
-    if zero_stage is not None and saved.get("zero_stage") != zero_stage:
-        fail(f"--resume: {folder} was written with ZeRO stage {saved.get('zero_stage')} and this run has stage "
-             f"{zero_stage}; resume with --zero-stage {saved.get('zero_stage')} (another number of ranks is fine)")
-    if saved.get("lora_rank", 0) != args.lora_rank:
-        fail(f"--resume: {folder} was written with --lora-rank {saved.get('lora_rank', 0)}; resume with it")
-    return folder, saved
-
-
-def publish_checkpoint(root, tag, keep):
-    """Once every rank has finished writing `.tmp-<tag>`: rename it to <tag>, then point `latest` at it (an atomic
-    replace), then delete all but the newest `keep` (0 keeps all). A kill at any moment leaves `latest` naming a
-    complete checkpoint."""
-    root = Path(root)
-    if (root / tag).exists():
-        shutil.rmtree(root / tag)
-    (root / f".tmp-{tag}").rename(root / tag)
-    (root / ".latest.tmp").write_text(tag)
-    os.replace(root / ".latest.tmp", root / "latest")
-    steps = sorted((d for d in root.glob("step-*") if d.is_dir()), key=lambda d: int(d.name.split("-")[1]))
-    best = best_checkpoint(root)
-    for old in steps[:-keep] if keep > 0 else []:
-        if old != best:  # the lowest eval loss is kept whatever its age
-            shutil.rmtree(old, ignore_errors=True)
-
-
-def best_checkpoint(root):
-    """The checkpoint folder whose run.json has the lowest eval loss (the earliest of equals), or None."""
-    scored = []
-    for folder in Path(root).glob("step-*"):
-        try:
-            loss = json.loads((folder / "run.json").read_text()).get("eval_loss")
-        except (OSError, ValueError):
-            continue
-        if loss is not None and math.isfinite(loss):
-            scored.append((loss, int(folder.name.split("-")[1]), folder))
-    return min(scored)[2] if scored else None
-
-
-def load_best(model, out, stats, args, total_steps, world_size, say):
-    """--final best: load the checkpoint with the lowest eval loss (the earliest of equals) before the export, unless
-    it is the model in memory (the last step's). Chosen from the eval history, which every rank holds the same, not
-    from the folder, where rank 0 may still be publishing the last checkpoint. Under DeepSpeed every rank loads its
-    shards (a collective), as on a resume."""
-    stats.final_step = stats.step
-    saved = lambda s: args.save_every and (s % args.save_every == 0 or s == total_steps)
-    scored = [(value, s) for s, value in stats.evals if saved(s) and math.isfinite(value)]
-    if args.final != "best" or not scored or min(scored)[1] == stats.step:
-        return
-    value, step = min(scored)
-    folder = Path(out) / "checkpoints" / f"step-{step}"
-    written_by = json.loads((folder / "run.json").read_text())["world_size"]
-    if written_by != world_size:  # a resume on another number of ranks since: its shards do not load as they are
-        say(f"--final best: step {step} was written by {written_by} ranks and this run has {world_size}; final/ is "
-            f"the last model (zero_to_fp32.py in the checkpoints folder gives step {step}'s weights)")
-        return
-    if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
-        model.load_checkpoint(folder.parent, folder.name)
-    else:
-        model.load_state_dict(torch.load(folder / "state.pt", weights_only=False)["model"])
-    stats.final_step = step
-    say(f"--final best: final/ is step {step}, eval loss {value:.4f} (the last step's: {stats.evals[-1][1]:.4f})")
-
-
-class Stop:
-    """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
-    --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank
-    stops at the same step, writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal
-    changes nothing; a kill during the save leaves the previous checkpoint as `latest` (publish_checkpoint)."""
-
-    def __init__(self):
-        self.signal = None
-        for number in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(number, self._ask)
-        dist = torch.distributed
-        self.ranks = dist.get_world_size() if dist.is_initialized() else 1
-        # the ranks agree on a CPU group: the flag never waits on a GPU's queue of work (no host sync per step)
-        self.group = None if self.ranks == 1 or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-
-    def _ask(self, number, frame):
-        if hangs.reported.is_set():  # a hung run has no step to finish: the launcher is ending it
-            os._exit(hangs.HUNG)
-        self.signal = self.signal or number
-
-    def due(self):
-        """Whether to stop after this step: a signal reached any rank (only the signalled node knows, on a cluster:
-        a one-element all-reduce tells the others)."""
-        if self.ranks == 1:
-            return self.signal is not None
-        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
-
-    def exit(self, step, say):
-        """After the checkpoint: every rank has finished (a launcher stops the others as soon as one exits), then
-        leave with STOPPED."""
-        if self.ranks > 1:
-            torch.distributed.barrier(group=self.group)
-        name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
-        say(f"stopped by {name} after step {step}, its checkpoint written: rerun with --resume auto to continue")
-        raise SystemExit(STOPPED)
-
-
-def run_record(step, args, global_batch, world_size, model, stats):
-    """run.json beside each checkpoint: what a resume checks, the run's arguments, the code's version, and the eval
-    loss at this step when it was evaluated (what --keep-checkpoints keeps the best by)."""
-    try:
-        code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        code = None
-    stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
-    return {"step": step, "global_batch_size": global_batch, "world_size": world_size, "zero_stage": stage,
-            "lora_rank": args.lora_rank, "eval_loss": dict(stats.evals).get(step), "args": vars(args),
-            "code_version": code}
-
-
-def rng_state(device):
-    """This process's random state: the CPU's and its own GPU's only. (get_rng_state_all() would save every GPU the
-    process sees, and a resume that sees fewer would fail.)"""
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(state, device):
-    torch.set_rng_state(state["cpu"])
-    if state.get("cuda") is not None and device.type == "cuda":
-        cuda = state["cuda"]
-        torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda, device)  # a list: an older checkpoint
 
 
 class GlobalBatches:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, training
+from . import checkpoints, hardware, training
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER, fail
 
 DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
@@ -90,7 +90,7 @@ def run_distributed(main):
     try:
         main()
     except SystemExit as e:  # stopped by a signal with its checkpoint written: the CPU exit below, with its status
-        if e.code != training.STOPPED:
+        if e.code != checkpoints.STOPPED:
             raise
         code = e.code
     except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: one line, from rank 0
@@ -338,7 +338,7 @@ def resume_folder(out, args, world_size, ds_config, rank, say):
     """The checkpoint to load: the newest one, or, when another number of ranks wrote it, DeepSpeed's universal form
     of it (each parameter's fp32 weights and Adam moments, whole, cut into this run's shards as they load). A
     checkpoint without optimizer shards (ZeRO-0 in fp32 saves the whole optimizer state) loads as it is."""
-    folder, saved = training.resume_folder(out, args, world_size, ds_config["zero_optimization"].get("stage", 0))
+    folder, saved = checkpoints.resume_folder(out, args, world_size, ds_config["zero_optimization"].get("stage", 0))
     if saved["world_size"] == world_size:
         return folder
     if not list(folder.glob("*optim_states.pt")):
@@ -447,7 +447,7 @@ def after_load(engine, folder, rank, args, step, device):
     group's settings given to every parameter group (weight decay on biases and norms)."""
     path = (folder.parent if folder.name == "universal" else folder) / f"rng-{rank}.pt"
     if path.exists():
-        training.set_rng_state(torch.load(path, weights_only=False), device)
+        checkpoints.set_rng_state(torch.load(path, weights_only=False), device)
     else:
         torch.manual_seed(args.seed + 1_000_003 * step + rank)
     if folder.name != "universal":

@@ -86,7 +86,7 @@ def launcher_variables_restored():
     """A script run in process as a world of one sets RANK, MASTER_PORT, ... in this process: not for the next test."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     before = {k: os.environ.get(k) for k in names}
-    handlers = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGUSR1)}  # training.Stop sets them
+    handlers = {n: signal.getsignal(n) for n in (signal.SIGTERM, signal.SIGUSR1)}  # checkpoints.Stop sets them
     yield
     for number, handler in handlers.items():
         signal.signal(number, handler)

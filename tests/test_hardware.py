@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import data, hardware, training, zero
+from finetune import checkpoints, data, hardware, zero
 from finetune.hardware import Facts
 
 H100 = Facts("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 8)
@@ -159,10 +159,10 @@ def test_the_teardown_workaround_is_for_cpu_runs_only():
 
 
 def test_random_state_is_this_process_and_its_own_device():
-    state = training.rng_state(torch.device("cpu"))
+    state = checkpoints.rng_state(torch.device("cpu"))
     assert state["cuda"] is None and state["cpu"].equal(torch.get_rng_state())
     before = torch.rand(3)
-    training.set_rng_state({"cpu": state["cpu"], "cuda": [torch.zeros(1)] * 8}, torch.device("cpu"))  # 8 saved GPUs
+    checkpoints.set_rng_state({"cpu": state["cpu"], "cuda": [torch.zeros(1)] * 8}, torch.device("cpu"))  # 8 saved GPUs
     assert torch.rand(3).equal(before)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune import hangs, training
+from finetune import checkpoints, hangs, training
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
                       load_script, results, weights)
 from test_single import assert_resumed, crash_after_first_checkpoint
@@ -98,7 +98,7 @@ def test_a_signal_in_one_process_stops_after_the_step_in_flight(tiny, tmp_path, 
     monkeypatch.setattr(training.RunStats, "end_step", signalled)
     with pytest.raises(SystemExit) as e:
         single.main(argv)
-    assert e.value.code == training.STOPPED and (out / "checkpoints" / "latest").read_text() == "step-3"
+    assert e.value.code == checkpoints.STOPPED and (out / "checkpoints" / "latest").read_text() == "step-3"
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
     monkeypatch.undo()
     single.main(argv)
@@ -211,7 +211,7 @@ def test_a_signal_stops_every_rank_at_one_step_under_every_launcher(tiny, tmp_pa
         assert ended_after < 60 and stopped_at < step < 60, (how, to, ended_after, step)
         codes = [p.returncode for p in processes]
         if how == "srun" or to.startswith("rank"):  # the deepspeed launcher alone dies of SIGTERM (on one node)
-            assert codes == [training.STOPPED] * len(processes), (how, to, codes)
+            assert codes == [checkpoints.STOPPED] * len(processes), (how, to, codes)
         if how == "srun":  # two tasks, one world: rank 0 alone speaks
             assert "x 2 ranks" in text and text.count("stopped by ") == 1
         sys.stdout.write(f"{how}, {sig.name} to {to}: every process gone {ended_after:.1f} s after it, stopped after "
@@ -267,7 +267,7 @@ def test_a_stalled_rank_is_named_and_every_rank_leaves_its_stacks(tiny, tmp_path
     assert where_of(where, "rank 0").startswith("all_reduce at training.py:")  # the stop agreement after each step
     for rank in (0, 1):
         stacks = (out / "hang" / f"rank-{rank}.txt").read_text()
-        assert stacks.startswith(f"rank {rank}: no step finished for 10 s after step 3; main thread in ")
+        assert stacks.startswith(f"rank {rank}: no step finished for 10 s after step 3 (which ended at ")
         assert "thread MainThread:" in stacks and "thread hang-watchdog:" in stacks
     # the flight recorders: on the world group, rank 0 entered one collective more than rank 1 (the agreement after
     # step 3), which has not completed
@@ -353,7 +353,7 @@ def test_publish_keeps_the_newest_checkpoints(tmp_path):
     for step in (2, 4, 6, 8):
         (tmp_path / f".tmp-step-{step}").mkdir()
         (tmp_path / f".tmp-step-{step}" / "state.pt").write_text(str(step))
-        training.publish_checkpoint(tmp_path, f"step-{step}", keep=2)
+        checkpoints.publish(tmp_path, f"step-{step}", keep=2)
         assert (tmp_path / "latest").read_text() == f"step-{step}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-6", "step-8"]
 
@@ -363,9 +363,9 @@ def test_publish_never_deletes_the_best_checkpoint(tmp_path):
     for step, loss in ((2, 3.0), (4, 1.5), (6, 2.0), (8, None), (10, 2.5)):
         (tmp_path / f".tmp-step-{step}").mkdir()
         training.write_json(tmp_path / f".tmp-step-{step}" / "run.json", {"step": step, "eval_loss": loss})
-        training.publish_checkpoint(tmp_path, f"step-{step}", keep=1)
+        checkpoints.publish(tmp_path, f"step-{step}", keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-10", "step-4"]
-    assert training.best_checkpoint(tmp_path).name == "step-4"
+    assert checkpoints.best(tmp_path).name == "step-4"
 
 
 def test_a_nan_loss_stops_the_run_at_its_step(tiny, tmp_path):
@@ -443,7 +443,7 @@ def test_a_run_killed_in_its_first_save_starts_over_under_resume_auto(tmp_path):
     """A half-written first checkpoint is nothing to resume: --resume auto (resolved to no resume) starts afresh,
     where it used to stop every requeue with "holds an unfinished run"; plain --resume says there is nothing."""
     (tmp_path / "checkpoints" / ".tmp-step-500").mkdir(parents=True)
-    training.prepare_output_dir(tmp_path, overwrite=False, resume=None, rank=0)
+    checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume=None, rank=0)
     assert not (tmp_path / "checkpoints" / ".tmp-step-500").exists()
     with pytest.raises(SystemExit, match="has no checkpoints to resume from"):
-        training.prepare_output_dir(tmp_path, overwrite=False, resume="newest", rank=0)
+        checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume="newest", rank=0)
