@@ -21,6 +21,8 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
+from finetune import models
+from finetune.hardware import experts_per_token
 from finetune.zero import swap_buffer_elements
 
 GiB = 2**30
@@ -55,10 +57,11 @@ def parameters(config, lora_rank=0, lora_targets="all-linear"):
     with LoRA, the adapters peft would add (trainable) and the base (frozen)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-        if lora_rank:
+        if lora_rank:  # the adapters the scripts add (finetune/models.py: the experts' too, in a mixture of experts)
             from peft import LoraConfig, get_peft_model
-            targets = "all-linear" if lora_targets == "all-linear" else lora_targets.split(",")
-            model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets, task_type="CAUSAL_LM"))
+            targets, experts = models.lora_targets(model, lora_targets)
+            model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets, target_parameters=experts,
+                                                     task_type="CAUSAL_LM"))
     return list({id(p): (p.numel(), p.requires_grad) for p in model.parameters()}.values())
 
 
@@ -132,12 +135,32 @@ def norm_copy_bytes(params, ranks):
     return 8 * min(max(trainable, default=0), math.ceil(sum(trainable) / ranks))
 
 
+def active_parameters(config):
+    """Parameters a token goes through: in a mixture of experts, the fused experts' weights (experts x in x out) count
+    for the experts_per_tok of them; None for a model without experts."""
+    experts, k = experts_per_token(config)
+    if not experts:
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() * k // experts if p.dim() == 3 and p.shape[0] == experts else p.numel() for p in unique)
+
+
 def activations(batch, seq, config, precision, checkpointing, loss_chunk):
     """Peak bytes of activations per GPU: 34·s·b·h per layer in 16 bits (twice that in fp32), 2·s·b·h per layer
-    with checkpointing plus one layer recomputed; and the logits as the loss path holds them (logits_bytes)."""
+    with checkpointing plus one layer recomputed; and the logits as the loss path holds them (logits_bytes). Of the
+    34, 19 are the MLP's at a width of 4h: a mixture of experts holds them for the experts each token goes through,
+    each of its own width (all experts' weights are model states, the active ones' activations are these)."""
     scale = 2 if precision in ("fp32", "tf32") else 1
-    hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    per_layer = 34 * seq * batch * hidden * scale
+    text = config.get_text_config()
+    hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    experts, k = experts_per_token(config)
+    unit = 34
+    if experts:
+        width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+        unit = 15 + 19 * k * width / (4 * hidden)
+    per_layer = unit * seq * batch * hidden * scale
     kept = (2 * seq * batch * hidden * layers * scale + per_layer) if checkpointing else per_layer * layers
     return kept + logits_bytes(batch * seq, vocab, precision, loss_chunk)
 
@@ -159,13 +182,13 @@ def plan(args):
     acts = activations(args.batch_size, args.block_size, config, args.precision, args.gradient_checkpointing,
                        args.loss_chunk)
     b = 4 if args.precision in ("fp32", "tf32") else 2
-    total = sum(k for k, _ in params)
+    total, hidden = sum(k for k, _ in params), config.get_text_config().hidden_size
     rows = []
     for option in OPTIONS:
-        states = model_states(params, config.hidden_size, args.precision, ranks, option)
+        states = model_states(params, hidden, args.precision, ranks, option)
         transient = 0
         if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets (x2: overlap_comm on GPUs)
-            transient = 2 * b * max(config.hidden_size ** 2, ZERO2_BUCKET)
+            transient = 2 * b * max(hidden ** 2, ZERO2_BUCKET)
         if option == "ZeRO-2 + CPU offload":  # the norm's fp64 copy is made in the backward pass here
             transient += norm_copy_bytes(params, ranks)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)
@@ -215,11 +238,14 @@ def main(argv=None):
     best = recommend(rows, args.gpus, args.nodes)
     total, trainable = sum(k for k, _ in params), sum(k for k, t in params if t)
     if args.json:
-        print(json.dumps({"model": args.model, "parameters": total, "trainable_parameters": trainable,
+        print(json.dumps({"model": args.model, "parameters": total, "active_parameters": active_parameters(config),
+                          "trainable_parameters": trainable,
                           "options": {r.pop("option"): r for r in rows}, "recommended": best}, indent=1))
         return 0 if best else 1
     lora = f", LoRA rank {args.lora_rank}: {trainable / 1e6:.1f}M trainable" if args.lora_rank else ""
-    print(f"{args.model}: {total / 1e9:.2f}B parameters{lora}; {args.nodes} node(s) x {args.gpus} GPU(s) of "
+    active = active_parameters(config)
+    moe = f" ({active / 1e9:.2f}B active per token: all experts' states, the active ones' activations)" if active else ""
+    print(f"{args.model}: {total / 1e9:.2f}B parameters{moe}{lora}; {args.nodes} node(s) x {args.gpus} GPU(s) of "
           f"{args.gpu_memory:g} GiB; {args.precision}, micro-batch {args.batch_size} x {args.block_size} tokens, "
           f"activations {rows[0]['activations_bytes_per_gpu'] / GiB:.1f} GiB per GPU"
           f"{' (gradient checkpointing)' if args.gradient_checkpointing else ''}")

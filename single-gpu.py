@@ -136,8 +136,7 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(args.packing)} | {total_steps} steps of {global_batch} sequences "
-        f"({args.batch_size} per micro-step x {args.grad_accum} micro-steps x {world_size} ranks) | {args.precision} | "
-        f"{device}")
+        f"({training.split(args, world_size)}) | {args.precision} | {device}")
     model.train()
     bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps,
                disable=True if rank else None)  # None: a bar on a terminal only, not in log files

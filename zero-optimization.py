@@ -12,7 +12,6 @@ import math
 
 import deepspeed  # ZeRO
 import torch
-import torch.distributed as dist  # ZeRO
 from tqdm import tqdm
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
@@ -87,6 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], help="optimizer (and, stage 3, parameter) offload")
     p.add_argument("--nvme-path", default="/local_nvme", help="folder on a fast local disk for --offload nvme")
     p.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective waits (a save, a lost rank)")
+    p.add_argument("--sequence-parallel", type=int, default=1, help="split each sequence over N ranks: longer blocks")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
@@ -115,7 +115,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data
     tokenizer = models.load_tokenizer(args.model, **remote)
     train, evals = data.prepare(args, tokenizer, local_rank)  # tokenized and packed once per node, then mapped
-    global_batch = args.batch_size * args.grad_accum * world_size  # sequences per optimizer step
+    global_batch = args.batch_size * args.grad_accum * world_size // args.sequence_parallel  # ZeRO: N ranks, 1 sequence
     batches = training.GlobalBatches(len(train), global_batch, args.seed)
     if batches.steps_per_epoch == 0:
         training.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
@@ -135,12 +135,12 @@ def main(argv=None):
     schedule = lambda opt: get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
         model=model, model_parameters=training.param_groups(model, args.weight_decay), config=ds_config,
-        lr_scheduler=None if "scheduler" in ds_config else schedule)
+        lr_scheduler=None if "scheduler" in ds_config else schedule, mpu=zero.sequence_parallel(args, config))
     autocast = hardware.autocast(device, "none")  # ZeRO: the engine keeps 16-bit weights itself (and fp32 masters)
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
     zero.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, ZeRO-0's gradient norm
-    stats = training.RunStats(config, model, args, device, reduce=dist.all_reduce)  # ZeRO: sums the ranks' losses
+    stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
     stop = checkpoints.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards
@@ -150,8 +150,7 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(args.packing)} | {total_steps} steps of {global_batch} sequences "
-        f"({args.batch_size} per micro-step x {args.grad_accum} micro-steps x {world_size} ranks) | {args.precision} | "
-        f"{device}")
+        f"({training.split(args, world_size)}) | {args.precision} | {device}")
     model.train()
     bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps,
                disable=True if rank else None)  # None: a bar on a terminal only, not in log files
@@ -160,13 +159,13 @@ def main(argv=None):
         predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(args.grad_accum, -1):
-            share = micro.view(world_size, -1)[rank]  # ZeRO: this rank's share of the micro-batch
-            inputs, labels = train.batch(share, tokenizer.pad_token_id, device, config)
+            share = micro.view(-1, args.batch_size)[rank // args.sequence_parallel]  # ZeRO: this replica's share
+            inputs, labels = zero.sequence_shard(train.batch(share, tokenizer.pad_token_id, device, config), rank, args)
             with autocast:
                 batch_loss = loss.token_loss_sum(model, inputs, labels) / predicted
             # ZeRO: the engine averages gradients over ranks and micro-steps; undo both, so the gradient is the
             # token mean over the global batch exactly as in single-gpu.py
-            model.backward(batch_loss * world_size, scale_wrt_gas=False)
+            model.backward(batch_loss * zero.gradient_divisor(model, world_size, args), scale_wrt_gas=False)
             model.step()  # ZeRO: at the last micro-step: clip, update, step the LR schedule, zero the gradients
             step_loss += batch_loss.detach()
         grad_norm = zero.grad_norm(model)  # ZeRO: the engine's global norm before clipping, as clip_grad_norm_'s
@@ -190,7 +189,7 @@ def main(argv=None):
                 # ZeRO: a collective: every rank writes its shards (DeepSpeed's own `latest` would move before the
                 # other ranks are done: ours moves after the barrier)
                 model.save_checkpoint(ckpt, f".tmp-{tag}", client_state={"stats": stats.state()}, save_latest=False)
-                dist.barrier()  # ZeRO: every rank has finished writing
+                torch.distributed.barrier()  # ZeRO: every rank has finished writing
                 if rank == 0:  # what a resume checks, the arguments, the code's version
                     training.write_json(ckpt / f".tmp-{tag}" / "run.json",
                                         checkpoints.run_record(step + 1, args, global_batch, world_size, model, stats))
@@ -213,7 +212,7 @@ def main(argv=None):
         training.write_json(out / "results.json", results)
         training.plot_losses(stats.losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
-    dist.destroy_process_group()  # ZeRO: leave the group cleanly
+    torch.distributed.destroy_process_group()  # ZeRO: leave the group cleanly
     return results
 
 

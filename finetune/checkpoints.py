@@ -61,13 +61,15 @@ def resume_folder(out, args, world_size, zero_stage=None):
         saved = json.loads((folder / "run.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         fail(f"--resume: {folder} has no readable run.json (written by an older version?); start over with --overwrite")
-    want, per_micro_step = saved["global_batch_size"], args.batch_size * world_size
-    if args.batch_size * args.grad_accum * world_size != want:
+    replicas = world_size // getattr(args, "sequence_parallel", 1)  # with sequence parallelism, groups of ranks
+    want, per_micro_step = saved["global_batch_size"], args.batch_size * replicas
+    if args.batch_size * args.grad_accum * replicas != want:
         hint = (f"--grad-accum {want // per_micro_step}" if want % per_micro_step == 0
                 else "--batch-size and --grad-accum")
+        unit = "ranks" if replicas == world_size else "replicas"
         fail(f"--resume: {folder} trained on global batches of {want} sequences and this run makes "
-             f"{args.batch_size} x {args.grad_accum} micro-steps x {world_size} ranks = "
-             f"{args.batch_size * args.grad_accum * world_size}; pass {hint} to make {want}, or the steps would see "
+             f"{args.batch_size} x {args.grad_accum} micro-steps x {replicas} {unit} = "
+             f"{args.batch_size * args.grad_accum * replicas}; pass {hint} to make {want}, or the steps would see "
              f"other data")
     if zero_stage is not None and saved.get("zero_stage") != zero_stage:
         fail(f"--resume: {folder} was written with ZeRO stage {saved.get('zero_stage')} and this run has stage "

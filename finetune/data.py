@@ -464,6 +464,7 @@ def document_masks(same, config, layout):
     have one: a 4-D mask passes transformers' mask building as it is, so a layer that attends only to its last
     `sliding_window` tokens (Mistral's, Gemma 2/3's local layers, gpt-oss's) must get that window here, or training
     would attend further than inference does. Models that mix full and sliding layers take a mask per layer type."""
+    config = config.get_text_config()  # a multimodal model (Gemma 3 4B and up) keeps its layers' settings there
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
     as_layout = lambda m: m if layout != "additive" else torch.zeros(m.shape, device=m.device).masked_fill_(
@@ -480,6 +481,6 @@ def attention_layout(implementation):
     """How a batch tells the model where documents end, for its attention implementation: SDPA takes a boolean 4D
     mask (True: attend), eager attention an additive one (a 4D mask passes transformers' mask building as it is),
     FlashAttention no mask but the documents' boundaries in one padding-free row (its varlen kernel)."""
-    if implementation and implementation.startswith("flash_attention"):
+    if implementation and "flash" in implementation:  # flash_attention_2/3, and the hub's kernels of it
         return "varlen"
     return "additive" if implementation == "eager" else "bool"

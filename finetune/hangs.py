@@ -66,6 +66,10 @@ class Watchdog:
         if stall == f"{self.rank}:{step}":
             time.sleep(3600)
 
+    def stop(self):
+        """No steps left to watch (the evaluation and export after the last one are bounded by --dist-timeout)."""
+        self.last = None
+
     def pause(self, paused):
         self.paused = paused
         if not paused and self.last is not None:

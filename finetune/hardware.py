@@ -92,12 +92,16 @@ def autocast(device, precision):
     return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
-def attention(facts, precision, flash_installed, model_supports_flash):
+def attention(facts, precision, flash_installed, model_supports_flash, compatible_flash=None):
     """The attention implementation: FlashAttention-2 where it runs (an NVIDIA GPU from Ampere on, 16-bit, the
     flash-attn package installed, a model that supports it): packed documents then go through its varlen kernel
-    with no padding and no mask. Otherwise transformers' default, SDPA, with a block-diagonal mask."""
+    with no padding and no mask. Otherwise transformers' default (SDPA with a block-diagonal mask; eager for models
+    without SDPA, Gemma 2 and gpt-oss). A model that names the flash kernels it works with
+    (`_compatible_flash_implementations`) and not FlashAttention-2 is not given it: transformers would swap in a hub
+    kernel (gpt-oss: vllm-flash-attn3, for its attention sinks, which FlashAttention-2 would drop)."""
     ampere = facts.kind == "cuda" and tuple(facts.capability) >= (8, 0)
-    if ampere and precision in AUTOCAST_DTYPES and flash_installed and model_supports_flash:
+    flash_ok = model_supports_flash and (compatible_flash is None or "flash_attention_2" in compatible_flash)
+    if ampere and precision in AUTOCAST_DTYPES and flash_installed and flash_ok:
         return "flash_attention_2"
     return None
 
@@ -131,7 +135,7 @@ def peak_tflops(name, precision):
     return None
 
 
-def matmul_params(model, trainable_only=False):
+def matmul_params(model, trainable_only=False, all_experts=False):
     """N in 6N: the parameters that take part in matrix products for every token (only those that train, with
     `trainable_only`). Position embeddings and an input embedding are only looked up; an embedding tied to the output
     head is counted once, as the head (torchtitan's count). Whole under ZeRO-3 too (ds_numel)."""
@@ -142,19 +146,34 @@ def matmul_params(model, trainable_only=False):
     head_weight = head.weight if head is not None else None
     inputs = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
     lookups = {id(p) for p in (inputs.parameters() if inputs is not None else [])} - {id(head_weight)}
+    experts, active = experts_per_token(inner.config) if hasattr(inner, "config") and not all_experts else (None, None)
     for name, p in inner.named_parameters(remove_duplicate=True):
         if id(p) in seen or id(p) in lookups or "position" in name or (trainable_only and not p.requires_grad):
             continue
         seen.add(id(p))
-        total += numel(p)
+        shape = getattr(p, "ds_shape", p.shape)
+        # a mixture of experts' fused weights (experts x in x out): a token goes through `active` of them
+        total += numel(p) * active // experts if experts and len(shape) == 3 and shape[0] == experts else numel(p)
     return total
 
 
+def experts_per_token(config):
+    """(experts, experts a token is routed to) of a mixture-of-experts model, or (None, None)."""
+    text = config.get_text_config()
+    experts = next((getattr(text, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(text, n, None)), None)
+    return (experts, getattr(text, "num_experts_per_tok", None) or 1) if experts else (None, None)
+
+
 def flops_per_token(config, num_params, attended, trainable=None):
-    """6N + 12·L·H·Q·T (the PaLM appendix, as nanoGPT and torchtitan count it): N parameters in matmuls, L layers,
-    H·Q the hidden size, T the tokens a token attends to: the block length when texts are packed into one stream,
-    the document's own length when documents are isolated or padded (`attended`, the mean over the tokens).
+    """6N + 12·L·H·Q·T (the PaLM appendix, as nanoGPT and torchtitan count it): N parameters in matmuls (a mixture of
+    experts: those a token goes through), L layers, H·Q the queries' width (heads x head size: the hidden size for
+    most models), T the tokens a token attends to: the block length when texts are packed into one stream, the
+    document's own length when documents are isolated or padded (`attended`, the mean over the tokens).
     6N is 2N forward, 2N for the gradients of the activations and 2N for those of the weights: with frozen weights
     (LoRA) only the `trainable` of the N have the last, so 4N + 2·trainable."""
     weights = num_params if trainable is None else trainable
-    return 4 * num_params + 2 * weights + 12 * config.num_hidden_layers * config.hidden_size * attended
+    config = config.get_text_config()
+    width = config.num_attention_heads * getattr(config, "head_dim", None) if getattr(config, "head_dim", None) \
+        else config.hidden_size  # the queries' width: Gemma 2's and gpt-oss's differ from the hidden size
+    return 4 * num_params + 2 * weights + 12 * config.num_hidden_layers * width * attended

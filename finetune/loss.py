@@ -21,10 +21,16 @@ import torch.nn.functional as F
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
+def postprocessed_logits(config):
+    """The name of the setting that makes this model's logits more than head(hidden), or None."""
+    text = config.get_text_config()  # a multimodal model keeps it there
+    return next((name for name in LOGIT_POSTPROCESSING if getattr(text, name, None) not in (None, 1, 1.0)), None)
+
+
 def attach(model, chunk_tokens):
     """Give the causal LM (the transformers model, inside any peft wrapper) the forward described above."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if any(getattr(inner.config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
+    if postprocessed_logits(inner.config):
         chunk_tokens = 0
     original = inner.forward
     head = inner.get_output_embeddings()

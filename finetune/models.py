@@ -8,6 +8,29 @@ from . import hardware, loss
 from .training import fail
 
 
+# The architectures (config.model_type) the tests train under ZeRO-3 on 2 ranks against one process (tests/
+# test_models.py, which writes docs/models.md); others are not refused, only said to be untested.
+TESTED = ("opt", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "mixtral",
+          "qwen3_moe", "olmoe", "gpt_oss")
+
+
+def notes(model):
+    """What the run does differently for this model, or did not test, in a few words each (said once, at start)."""
+    from . import loss
+
+    net = getattr(model, "module", model)
+    net = net.get_base_model() if hasattr(net, "get_base_model") else net
+    config, said = net.config, []
+    logits = loss.postprocessed_logits(config)
+    if logits:
+        said.append(f"the plain loss (its logits are post-processed: {logits})")
+    if config._attn_implementation == "eager" and not getattr(net, "_supports_sdpa", True):
+        said.append(f"eager attention ({type(net).__name__} has no SDPA)")
+    if config.model_type not in TESTED:
+        said.append(f"{config.model_type} is not among the architectures tested (docs/models.md)")
+    return said
+
+
 def load_pretrained(loader, name, **kwargs):
     """loader.from_pretrained(name), with one line saying what to do when it cannot (no weights, unknown id,
     offline)."""
@@ -31,7 +54,8 @@ def load_causal_lm(args, config, device, **kwargs):
     architecture = AutoModelForCausalLM._model_mapping.get(type(config), None) if not kwargs.get("trust_remote_code") \
         else None
     implementation = hardware.attention(hardware.facts(device), args.precision, is_flash_attn_2_available(),
-                                        getattr(architecture, "_supports_flash_attn", False))
+                                        getattr(architecture, "_supports_flash_attn", False),
+                                        getattr(architecture, "_compatible_flash_implementations", None))
     extra = {"attn_implementation": implementation} if implementation else {}
     # LoRA in 16 bits: the frozen base is loaded in 16 bits (half the memory, on the CPU too); the adapters peft adds
     # are fp32
@@ -56,9 +80,9 @@ def prepare_model(model, args):
     if args.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        targets = "all-linear" if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, lora_dropout=0.0,
-                            task_type="CAUSAL_LM")
+        targets, parameters = lora_targets(model, args.lora_targets)
+        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets,
+                            target_parameters=parameters, lora_dropout=0.0, task_type="CAUSAL_LM")
         torch.manual_seed(args.seed)  # the adapters' initialization, the same in every script and on every rank
         try:
             model = get_peft_model(model, config)
@@ -78,6 +102,39 @@ def prepare_model(model, args):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return loss.attach(model, args.loss_chunk)
+
+
+# peft 0.21 renames the targets of a mixture of experts (model types it converts as it does Mixtral's: Qwen3-MoE, OLMoE,
+# ...): a layer named like an MLP's projection becomes a parameter of the fused experts, and the router's weight joins
+# (utils/transformers_weight_conversion.py). Such layers are adapted through their weight instead, which it keeps.
+PEFT_RENAMED = ("gate", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_targets(model, targets):
+    """(target_modules, target_parameters) of the adapters. --lora-targets all-linear: every linear layer of
+    attention and MLP, as peft's all-linear; in a mixture of experts also each expert (their weights are fused
+    parameters, experts x in x out, that only target_parameters reaches), and never a router (a layer of the experts'
+    block with one output per expert: adapting it would move every token's choice of experts). Otherwise the names
+    given."""
+    if targets != "all-linear":
+        return targets.split(","), None
+    experts = {}  # module -> its fused experts' parameters
+    for name, module in model.named_modules():
+        fused = [n for n, p in module.named_parameters(recurse=False) if len(getattr(p, "ds_shape", p.shape)) == 3]
+        if fused and not isinstance(module, torch.nn.modules.conv._ConvNd):
+            experts[name] = [f"{name}.{n}" for n in fused]
+    if not experts:
+        return "all-linear", None
+    count = hardware.experts_per_token(model.config)[0]
+    head = model.get_output_embeddings()
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    blocks = {name.rpartition(".")[0] for name in experts}
+    routers = {n for n in linear
+               if n.rpartition(".")[0] in blocks and model.get_submodule(n).out_features in (count, 1)}
+    kept = [n for n in linear if n not in routers]
+    renamed = [n for n in kept if n.rpartition(".")[2] in PEFT_RENAMED]
+    parameters = [p for names in experts.values() for p in names] + [f"{n}.weight" for n in renamed]
+    return sorted(set(kept) - set(renamed)), sorted(parameters)
 
 
 def save_final(model, tokenizer, folder, state_dict=None):

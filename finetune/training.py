@@ -85,6 +85,14 @@ def check_args(args, max_positions):
         fail(f"--block-size {args.block_size} is beyond the model's {max_positions} positions; lower it")
 
 
+def split(args, world_size):
+    """How a global batch is made: 'B per micro-step x A micro-steps x R ranks' (with sequence parallelism: R/N
+    replicas of N ranks, each sequence split over its N ranks)."""
+    sp = getattr(args, "sequence_parallel", 1)
+    who = f"{world_size} ranks" if sp == 1 else f"{world_size // sp} replicas of {sp} ranks, a sequence over {sp}"
+    return f"{args.batch_size} per micro-step x {args.grad_accum} micro-steps x {who}"
+
+
 def param_groups(model, weight_decay):
     """AdamW groups: no weight decay on biases and normalization weights (one-dimensional parameters). Under ZeRO-3 a
     parameter is a flat shard: its shape is in ds_shape."""
@@ -117,10 +125,11 @@ class GlobalBatches:
 class RunStats:
     """The run's bookkeeping, kept out of the training loop: the losses (held on the device between log lines, so
     the loop has one host sync per interval), tokens and time (checkpoints and the first interval, the warm-up, left
-    out of the steady-state figures), FLOPs and MFU. `reduce` adds the ranks' shares of each step's loss."""
+    out of the steady-state figures), FLOPs and MFU. On several ranks, an all-reduce adds their shares of each step's
+    loss."""
 
-    def __init__(self, config, model, args, device, reduce=None):
-        self.config, self.args, self.device, self.reduce, self.model = config, args, device, reduce, model
+    def __init__(self, config, model, args, device):
+        self.config, self.args, self.device, self.model = config, args, device, model
         inner = getattr(model, "module", model)
         numel = lambda p: getattr(p, "ds_numel", p.numel())
         self.total = sum(numel(p) for p in {id(p): p for p in inner.parameters()}.values())
@@ -144,9 +153,13 @@ class RunStats:
                                            self.ranks, dist.distributed_c10d._get_default_store())
 
     def describe(self):
+        from .models import notes  # (models imports this module)
+
         share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
+        active = self.matmul_params < hardware.matmul_params(self.model, all_experts=True)
+        share += f", {self.matmul_params / 1e6:.2f}M active per token" if active else ""
         peak = f" | MFU against {self.peak[1]}" if self.peak else ""
-        return f"{self.total / 1e6:.1f}M parameters, {share}{peak}"
+        return " | ".join([f"{self.total / 1e6:.1f}M parameters, {share}{peak}", *notes(self.model)])
 
     def end_step(self, step_loss, blocks, indices, grad_norm):
         """grad_norm: the step's gradient norm before clipping (a tensor or a float; read at the next log line)."""
@@ -168,8 +181,8 @@ class RunStats:
         memory = torch.zeros(self.ranks, device=self.pending[0].device)
         memory[self.rank] = peak_memory_bytes(self.device) / 2**30
         losses = torch.cat([torch.stack(self.pending).float(), memory])
-        if self.reduce:
-            self.reduce(losses)
+        if self.ranks > 1:
+            torch.distributed.all_reduce(losses)
         losses, self.rank_memory = losses[:len(self.pending)], losses[len(self.pending):].tolist()
         first = len(self.losses) + 1
         self.losses += losses.tolist()
@@ -208,6 +221,8 @@ class RunStats:
 
     def log_line(self, step, total_steps, lr):
         self._flush()
+        if self.watchdog and step + 1 == total_steps:  # the last step: nothing left to watch
+            self.watchdog.stop()
         elapsed = time.perf_counter() - self.interval_start
         self.train_time, self.tokens = self.train_time + elapsed, self.tokens + self.interval_tokens
         attended = self.interval_attended / max(1, self.interval_tokens)

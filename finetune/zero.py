@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoints, hardware, training
+from . import sequence_parallel as finetune_sp
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER, fail
 
 DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
@@ -145,6 +146,16 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
     zero = config.setdefault("zero_optimization", {})
     if args.zero_stage is not None:
         zero["stage"] = args.zero_stage
+    sp = getattr(args, "sequence_parallel", 1)
+    if sp > 1:  # an SP group is one data-parallel replica: DeepSpeed counts the batch per replica
+        text = model_config.get_text_config()
+        finetune_sp.check(sp, world_size, text.num_attention_heads,
+                          getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+                          model_config._attn_implementation or "sdpa", type(model_config).__name__)
+        if zero.get("stage") == 3 and zero.get("reduce_scatter", True) is not True:
+            fail(f"{path}: --sequence-parallel needs zero_optimization.reduce_scatter true at stage 3 (without it the "
+                 f"engine averages the gradients over another number of ranks bucket by bucket); remove it")
+        config["sequence_parallel_size"] = sp  # for zero.Init too, which reads this dict without the groups
     if args.offload is not None:
         zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": args.offload}
         if args.offload == "nvme":
@@ -160,14 +171,16 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
     if zero.get("offload_param", {}).get("device") == "nvme":
         size_swap_buffers(config, path, largest_parameter(model_config), world_size, 4 if args.precision in
                           ("fp32", "tf32") else 2)
+    if zero.get("stage") == 3 and "leaf_module" not in zero and hardware.experts_per_token(model_config)[0]:
+        zero["leaf_module"] = {"classes": moe_blocks(meta_model(model_config))}  # the file's own list wins
     choose_optimizer(config, torch.cuda.is_available())
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         config.setdefault(key, "auto")  # the loop needs these three to be what the flags say
     values = [  # (key in the JSON, value from the flags, flag named in an error)
         ("train_micro_batch_size_per_gpu", args.batch_size, "--batch-size"),
         ("gradient_accumulation_steps", args.grad_accum, "--grad-accum"),
-        ("train_batch_size", args.batch_size * args.grad_accum * world_size,
-         f"--batch-size x --grad-accum x {world_size} ranks"),
+        ("train_batch_size", args.batch_size * args.grad_accum * world_size // sp,
+         f"--batch-size x --grad-accum x {world_size // sp} {'ranks' if sp == 1 else 'replicas'}"),
         ("gradient_clipping", args.max_grad_norm, "--max-grad-norm"),
         ("optimizer.params.lr", args.lr, "--lr"),
         ("optimizer.params.betas", list(ADAM_BETAS), "ADAM_BETAS"),
@@ -234,12 +247,36 @@ def tuned_values(stage, hidden_size, cuda):
             "stage3_param_persistence_threshold": 10 * hidden_size}
 
 
-def largest_parameter(model_config):
-    """The elements of the model's largest parameter (at most models: the embedding), counted on the meta device."""
+def meta_model(model_config):
+    """The model's structure without its storage (the meta device): built in a moment, whatever its size."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    return max(p.numel() for p in model.parameters())
+        return AutoModelForCausalLM.from_config(model_config)
+
+
+def largest_parameter(model_config):
+    """The elements of the model's largest parameter (at most models: the embedding), counted on the meta device."""
+    return max(p.numel() for p in meta_model(model_config).parameters())
+
+
+def moe_blocks(model):
+    """The classes of a mixture of experts' blocks (the router and the experts), by their structure: a module with a
+    child that holds the experts' fused weights (experts x in x out). ZeRO-3 gathers a leaf module's parameters at
+    once when it enters it, rather than through a hook for each of its children
+    (zero_optimization.leaf_module). DeepSpeed 0.19.8 names Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks by default;
+    this finds the others' (OLMoE, gpt-oss, ...) too. A model whose experts are separate modules needs its block
+    named in the config file's "leaf_module" (it wins over this): then ranks that route to different experts would
+    run different submodules, which ZeRO-3's prefetching cannot follow (it hangs or fetches them one by one)."""
+    from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+
+    experts = hardware.experts_per_token(model.config)[0]
+    found = []
+    for module in model.modules():
+        fused = any(len(p.shape) == 3 and p.shape[0] == experts for child in module.children()
+                    for p in child.parameters(recurse=False))
+        if fused and type(module).__name__ not in found:
+            found.append(type(module).__name__)
+    return list(DEFAULT_LEAF_MODULE_CLASSES) + found
 
 
 def swap_buffer_elements(largest, world_size, bytes_per_element, intra_op_parallelism=1):
@@ -432,6 +469,29 @@ def mend(engine):
                                                           mpu=engine.mpu)
 
         engine.clip_fp32_gradients = clip_and_keep
+
+
+def sequence_parallel(args, config):
+    """--sequence-parallel's process groups and attention (sequence_parallel.py): the mpu for deepspeed.initialize,
+    or None without it."""
+    from . import data
+
+    rows = 1 if data.attention_layout(config._attn_implementation) == "varlen" else args.batch_size
+    return finetune_sp.setup(args, config, torch.distributed.get_world_size(), rows)
+
+
+def sequence_shard(batch, rank, args):
+    """This rank's shard of its replica's micro-batch (the whole batch without sequence parallelism)."""
+    return finetune_sp.shard(batch, rank % args.sequence_parallel, args.sequence_parallel)
+
+
+def gradient_divisor(engine, world_size, args):
+    """What the engine divides the summed gradients of the ranks by (the scripts multiply the loss by it, so the
+    gradient is the token mean over the global batch, as in single-gpu.py): all ranks; with sequence parallelism
+    the data-parallel replicas at ZeRO 0-2 (engine.py, stage_1_and_2.py: world / sequence_parallel_size) but still
+    all ranks at ZeRO-3 (stage3.py's reduce-scatter divides by its group, every rank)."""
+    sp = getattr(args, "sequence_parallel", 1)
+    return world_size if sp == 1 or engine.zero_optimization_stage() == 3 else world_size // sp
 
 
 def grad_norm(engine):

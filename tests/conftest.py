@@ -121,7 +121,7 @@ def weights(folder):
     return load_file(str(Path(folder) / "model.safetensors"))
 
 
-def independent_loss(model_folder, argv, split, indices=None):
+def independent_loss(model_folder, argv, split, indices=None, **load):
     """(summed cross-entropy, tokens) over the tokens that carry loss in these blocks of a split the scripts prepared
     (`argv`: their flags), computed without their batch, mask or loss code: each document alone through the stock
     model, in float64, its loss tokens read from the per-token flags."""
@@ -132,7 +132,7 @@ def independent_loss(model_folder, argv, split, indices=None):
     from finetune import data, models
     args = load_script("single-gpu.py").parse_args(argv)
     blocks = data.prepare(args, models.load_tokenizer(args.model))[0 if split == "train" else 1]
-    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64, **load).eval()
     total, count = 0.0, 0
     for i in range(len(blocks)) if indices is None else indices:
         start, length = int(blocks.starts[i]), int(blocks.lengths[i])

@@ -1,0 +1,114 @@
+"""Sequence parallelism (--sequence-parallel N in zero-optimization.py): each sequence split over N ranks, DeepSpeed's
+Ulysses attention (deepspeed.runtime.sequence_parallel.ulysses_sp, the ALST work) between them. Every rank holds
+the activations of its N-th of the tokens; around attention, an all-to-all turns the sequence shards into head shards
+(every rank: the whole sequence, heads/N of the heads), and another turns them back. ZeRO still shards the model
+states over all the ranks.
+
+What DeepSpeed's wrapper lacks, written here:
+- the documents' isolation: it drops the attention mask, so SDPA would let packed documents attend to each other.
+  Each rank's shard carries its position_ids, which restart at every document; the wrapper gathers them, and the
+  attention here builds the documents' causal mask (with the layer's sliding window) from them. FlashAttention
+  takes the boundaries from the same gathered positions itself (varlen).
+- the batches: our blocks are shifted and masked on the host; a row is padded to a multiple of N (pads: position 0,
+  no loss, a segment of their own), and each rank takes its slice of tokens and of targets, so no label crosses a
+  shard.
+- SP only for the training batches: evaluation and generation see whole sequences on every rank, with the mask as
+  the batch gives it (the wrapper would otherwise take every forward, and a decoding step of one token cannot be
+  split).
+- the loss is the shards' summed token loss over the global batch's count of predicted tokens, so the gradient is
+  the single process's however unevenly the answers fall on the shards; zero.gradient_divisor undoes the engine's
+  averaging, which under SP divides by the data-parallel replicas at ZeRO 0-2 and by all ranks at ZeRO-3.
+"""
+import math
+
+import numpy as np
+import torch
+
+from .training import fail
+
+SHARDED = "sequence_sharded"  # the batch key that marks a training batch cut into sequence shards
+
+
+def setup(args, config, world_size, batch_rows):
+    """The process groups and the attention for --sequence-parallel; the mpu that deepspeed.initialize takes (None
+    without SP). `batch_rows`: rows of a training micro-batch (1 when FlashAttention lays documents end to end)."""
+    size = args.sequence_parallel
+    if size == 1:
+        return None
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    implementation = config._attn_implementation or "sdpa"
+    check(size, world_size, heads, kv_heads, implementation, type(config).__name__)
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    parallel_state_sp.initialize_sequence_parallel(size)
+    core = ALL_ATTENTION_FUNCTIONS[implementation]
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+    ulysses = UlyssesSPAttentionHF(
+        attn=documents_attention(core) if implementation == "sdpa" else core, batch_size=batch_rows,
+        attn_head_count=heads, attn_head_size=head_size, kv_head_count=kv_heads,
+        num_hidden_layers=text.num_hidden_layers, process_group=parallel_state_sp.get_sequence_parallel_group(),
+        seq_length_is_variable=True)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if kwargs.pop(SHARDED, False):  # a training batch: its shards meet in the all-to-all
+            return ulysses(module, query, key, value, None, *args, **kwargs)
+        return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[implementation] = attention
+    return parallel_state_sp
+
+
+def check(size, world_size, heads, kv_heads, implementation, model):
+    """What sequence parallelism cannot split: one line each."""
+    if size < 1:
+        fail(f"--sequence-parallel must be 1 or more, got {size}")
+    if world_size % size:
+        fail(f"--sequence-parallel {size} does not divide the {world_size} ranks; use a divisor of {world_size}")
+    if heads % size:
+        fail(f"--sequence-parallel {size}: the model's {heads} attention heads do not split over {size} ranks; use a "
+             f"divisor of {heads}")
+    if kv_heads % size and size % kv_heads:
+        fail(f"--sequence-parallel {size}: the model's {kv_heads} key/value heads do not split over {size} ranks (nor "
+             f"{size} over them); use a divisor or a multiple of {kv_heads}")
+    if implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+        fail(f"--sequence-parallel: {model} runs {implementation} attention, which DeepSpeed's Ulysses cannot take "
+             f"over (it needs SDPA or FlashAttention); train it without --sequence-parallel")
+
+
+def documents_attention(sdpa):
+    """SDPA over the whole sequence (after the all-to-all) with the documents' causal mask, built from the gathered
+    position_ids (a document starts where its position is 0), with the layer's sliding window if it has one."""
+    def attention(module, query, key, value, attention_mask, *args, position_ids=None, **kwargs):
+        starts = position_ids == 0
+        segments = torch.cumsum(starts, dim=-1)
+        n = position_ids.shape[-1]
+        i = torch.arange(n, device=position_ids.device)
+        allowed = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
+        window = getattr(module, "sliding_window", None)
+        if window:
+            allowed &= i[:, None] - i[None, :] < window
+        return sdpa(module, query, key, value, allowed[:, None], *args, position_ids=position_ids, **kwargs)
+    return attention
+
+
+def shard(batch, rank, size):
+    """This rank's shard of a training batch from Blocks.batch (inputs, (labels, index)): the rows padded to a
+    multiple of `size` tokens, then cut into `size` slices of tokens; the rank of an SP group takes its slice. The
+    labels were shifted on the whole row, so the shards together predict exactly the row's tokens."""
+    inputs, (labels, _) = batch
+    if size == 1:
+        return batch
+    ids, positions = inputs["input_ids"], inputs["position_ids"]
+    width = ids.shape[1]
+    padded = math.ceil(width / size) * size
+    pad = lambda x, value: torch.nn.functional.pad(x, (0, padded - width), value=value)  # noqa: E731
+    ids, positions, labels = pad(ids, 0), pad(positions, 0), pad(labels, -100)  # pads: segments of one, no loss
+    piece = slice(rank * (padded // size), (rank + 1) * (padded // size))
+    ids, positions, labels = ids[:, piece], positions[:, piece], labels[:, piece]
+    index = torch.from_numpy(np.flatnonzero(labels.cpu().numpy() != -100)).to(labels.device)
+    return ({"input_ids": ids, "position_ids": positions, "use_cache": False, SHARDED: True},
+            (labels.contiguous(), index))
