@@ -59,7 +59,29 @@ def setup(args, config, world_size, batch_rows):
         return core(module, query, key, value, attention_mask, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = attention
-    return parallel_state_sp
+    return Groups()
+
+
+class Groups:
+    """DeepSpeed's groups for Ulysses (parallel_state_sp, what the engine takes as its mpu), saying that no tensor is
+    split over ranks. DeepSpeed 0.19.8 takes a model-parallel size from an mpu that lacks one from its sequence-
+    parallel size (utils/bwc.py falls back to get_model_parallel_world_size, an alias there): its checkpoints then
+    record a tensor-parallel degree of N, which ds_to_universal cannot convert ("model-state file count 1 does not
+    match ... tp_degree=2"), and its ZeRO-1/2 universal load calls get_tensor_model_parallel_world_size, which
+    parallel_state_sp lacks. With this, a checkpoint written under sequence parallelism resumes on any number of
+    ranks, with or without it."""
+
+    def __getattr__(self, name):
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+        return getattr(parallel_state_sp, name)
+
+    @staticmethod
+    def get_tensor_model_parallel_world_size():
+        return 1
+
+    @staticmethod
+    def get_tensor_model_parallel_rank():
+        return 0
 
 
 def check(size, world_size, heads, kv_heads, implementation, model):
@@ -88,7 +110,7 @@ def documents_attention(sdpa):
         n = position_ids.shape[-1]
         i = torch.arange(n, device=position_ids.device)
         allowed = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
-        window = getattr(module, "sliding_window", None)
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # models pass it, or keep it
         if window:
             allowed &= i[:, None] - i[None, :] < window
         return sdpa(module, query, key, value, allowed[:, None], *args, position_ids=position_ids, **kwargs)

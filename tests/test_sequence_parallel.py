@@ -1,0 +1,120 @@
+"""--sequence-parallel (Ulysses) in zero-optimization.py on CPU (gloo has the all-to-all): each sequence split over
+ranks trains as single-gpu.py on the same batches, documents and sliding windows kept apart, under ZeRO-2 and
+ZeRO-3, with LoRA, offload and gradient checkpointing, resumed with another N; and each refusal is one line."""
+import pytest
+import torch
+
+from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
+from finetune import sequence_parallel as sp
+from finetune import zero
+from test_models import build
+from test_single import assert_resumed, crash_after_first_checkpoint
+
+single = load_script("single-gpu.py")
+ZERO = "zero-optimization.py"
+
+
+def chats(tiny, model, out, **more):
+    return base_args(tiny, out, **{"--model": str(model), "--dataset": tiny["chats"], "--block-size": 64,
+                                   "--grad-accum": 2, "--weight-decay": 0.1, "--prompt": "How many stars?", **more})
+
+
+def test_a_sequence_over_2_ranks_trains_as_one_process_and_resumes_with_another_n(tiny, tmp_path):
+    """A tiny Mistral (its layers attend to their last 16 tokens) on chats packed into blocks of 64, the loss on the
+    answers: ZeRO-2 with CPU offload and gradient checkpointing, each sequence over 2 ranks, gives one process's
+    losses, gradient norms, eval loss and weights. Resumed from its step-2 checkpoint without sequence parallelism
+    on 1 rank (DeepSpeed's universal checkpoint), it ends as the uninterrupted run."""
+    from transformers import AutoTokenizer
+
+    model = build("mistral", AutoTokenizer.from_pretrained(tiny["model"]), tmp_path / "mistral")
+    single.main(chats(tiny, model, tmp_path / "one", **{"--batch-size": 4}) + ["--gradient-checkpointing"])
+    out = tmp_path / "two"
+    argv = chats(tiny, model, out, **{"--batch-size": 4, "--zero-stage": 2, "--offload": "cpu"})
+    check(launch("deepspeed", ZERO, argv + ["--sequence-parallel", "2", "--gradient-checkpointing", "--deepspeed"]))
+    one, two = results(tmp_path / "one"), results(out)
+    assert two["world_size"] == 2 and two["ran"]["optimizer"] == "DeepSpeedCPUAdam on cpu"
+    assert_close_losses(one["losses"], two["losses"])
+    assert_close_losses(one["grad_norms"], two["grad_norms"])  # the gradients' scale: the engine's divisor undone
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    assert two["sample"] == one["sample"]  # generated at the end on whole sequences
+    whole = weights(out / "final")
+    assert_same_weights(weights(tmp_path / "one" / "final"), whole, atol=1e-4)
+    crash_after_first_checkpoint(out)
+    check(launch("python", ZERO, argv + ["--resume", "--deepspeed"]))  # 1 rank, 1 replica: the same global batch
+    assert_resumed(out)
+    assert_close_losses(two["losses"], results(out)["losses"])
+    assert_same_weights(whole, weights(out / "final"), atol=1e-4)
+
+
+def test_2_replicas_of_2_ranks_with_zero3_and_lora_train_as_one_process(tiny, tmp_path):
+    """4 ranks: 2 data-parallel replicas, each sequence over the 2 ranks of its replica, ZeRO-3 sharding over all 4
+    (whose reduce-scatter averages over all ranks, where ZeRO-2 averages over the replicas), LoRA on the tiny OPT:
+    one process's losses, gradient norms, adapters and merged weights."""
+    lora = {"--lora-rank": 4, "--model": tiny["model"]}
+    single.main(chats(tiny, tiny["model"], tmp_path / "one", **{"--batch-size": 4, **lora}))
+    argv = chats(tiny, tiny["model"], tmp_path / "four", **{"--batch-size": 2, "--zero-stage": 3, **lora})
+    check(launch("torchrun", ZERO, argv + ["--sequence-parallel", "2", "--deepspeed"], nproc=4))
+    one, four = results(tmp_path / "one"), results(tmp_path / "four")
+    assert four["world_size"] == 4 and four["global_batch_size"] == 8 and four["ran"]["zero_stage"] == 3
+    assert_close_losses(one["losses"], four["losses"])
+    assert_close_losses(one["grad_norms"], four["grad_norms"])
+    assert four["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    assert_same_weights(weights(tmp_path / "one" / "final"), weights(tmp_path / "four" / "final"), atol=1e-4)
+
+
+def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
+    """Rows of 5 tokens over 2 ranks: padded to 6 (a pad at position 0, no loss), 3 tokens each; the targets were
+    shifted on the whole row, so together the shards predict the row's tokens, each once."""
+    ids = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    labels = torch.tensor([[11, 12, -100, 14, -100], [-100, 22, 23, 24, -100]])
+    batch = ({"input_ids": ids, "position_ids": positions, "use_cache": False}, (labels, None))
+    shards = [sp.shard(batch, rank, 2) for rank in (0, 1)]
+    assert [s[0]["input_ids"].tolist() for s in shards] == [[[10, 11, 12], [20, 21, 22]], [[13, 14, 0], [23, 24, 0]]]
+    assert [s[0]["position_ids"].tolist() for s in shards] == [[[0, 1, 2], [0, 1, 2]], [[0, 1, 0], [3, 4, 0]]]
+    assert [s[1][0].tolist() for s in shards] == [[[11, 12, -100], [-100, 22, 23]], [[14, -100, -100], [24, -100, -100]]]
+    assert [s[1][1].tolist() for s in shards] == [[0, 1, 4, 5], [0, 3]]  # where the loss is, in each shard
+    assert all(s[0][sp.SHARDED] for s in shards) and sp.shard(batch, 0, 1) is batch
+
+
+def test_the_documents_mask_is_built_from_the_gathered_positions():
+    """After the all-to-all, attention sees the whole row: each document (positions restart at 0) attends causally to
+    itself only, within the layer's window."""
+    seen = {}
+
+    def sdpa(module, q, k, v, mask, *args, **kwargs):
+        seen["mask"] = mask
+        return None, None
+
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0]])
+    sp.documents_attention(sdpa)(torch.nn.Module(), None, None, None, None, position_ids=positions, sliding_window=2)
+    allowed = seen["mask"][0, 0].int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0],
+                       [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("size, world, heads, kv, attention, message", [
+    (2, 3, 4, 4, "sdpa", "--sequence-parallel 2 does not divide the 3 ranks; use a divisor of 3"),
+    (4, 4, 6, 6, "sdpa", "the model's 6 attention heads do not split over 4 ranks; use a divisor of 6"),
+    (2, 2, 4, 3, "sdpa", "the model's 3 key/value heads do not split over 2 ranks (nor 2 over them)"),
+    (2, 2, 4, 2, "eager", "runs eager attention, which DeepSpeed's Ulysses cannot take over"),
+])
+def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, message):
+    with pytest.raises(SystemExit) as e:
+        sp.check(size, world, heads, kv, attention, "Gemma2Config")
+    assert str(e.value).startswith("error: ") and message in str(e.value)
+
+
+def test_zero3_under_sequence_parallelism_keeps_its_reduce_scatter(tiny, tmp_path):
+    """ZeRO-3 averages gradients over every rank in its reduce-scatter; without it, over the replicas in some buckets
+    and every rank in others: refused in one line rather than trained with a gradient off by N in places."""
+    import json
+    from transformers import AutoConfig
+
+    config = json.loads(open(zero.DEFAULT_CONFIG).read())
+    config["zero_optimization"]["reduce_scatter"] = False
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    args = load_script(ZERO).parse_args(base_args(tiny, tmp_path / "run") + [
+        "--deepspeed", str(tmp_path / "ds.json"), "--sequence-parallel", "2"])
+    with pytest.raises(SystemExit, match="needs zero_optimization.reduce_scatter true at stage 3"):
+        zero.deepspeed_config(args, 2, 4, 1, AutoConfig.from_pretrained(tiny["model"]))
