@@ -160,7 +160,8 @@ def main(argv=None):
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(args.grad_accum, -1):
             share = micro.view(-1, args.batch_size)[rank // args.sequence_parallel]  # ZeRO: this replica's share
-            inputs, labels = zero.sequence_shard(train.batch(share, tokenizer.pad_token_id, device, config), rank, args)
+            inputs, labels = train.batch(share, tokenizer.pad_token_id, device, config,
+                                         sequence_shard=zero.sequence_shard(rank, args))  # ZeRO: SP: its tokens
             with autocast:
                 batch_loss = loss.token_loss_sum(model, inputs, labels) / predicted
             # ZeRO: the engine averages gradients over ranks and micro-steps; undo both, so the gradient is the

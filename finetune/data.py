@@ -421,13 +421,14 @@ class Blocks:
         cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
         return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
 
-    def batch(self, indices, pad_id, device, config, carry_loss=True):
+    def batch(self, indices, pad_id, device, config, carry_loss=True, sequence_shard=None):
         """The model's inputs and the loss targets for these blocks. Labels are shifted here, on the host (label t
         is token t+1, or -100), so the loss never copies the logits to shift them; with them comes the flat index
         of the positions that carry loss, so the loss computes logits for those only. Each document attends only to
         itself: a block-diagonal causal mask (unless a row is one whole segment), or, with FlashAttention, the rows
         laid end to end without padding and cut at the documents' boundaries (varlen). Padding attends to itself
-        only and carries no loss."""
+        only and carries no loss. `sequence_shard`: (this rank's place, ranks) in a sequence-parallel group: its
+        slice of the tokens and targets (sequence_parallel.py), no mask (the attention builds it)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         lengths = self.lengths[indices]
         width = int(lengths.max())
@@ -444,6 +445,9 @@ class Blocks:
         if layout == "varlen":  # one row of the real tokens; FlashAttention takes the segments' boundaries
             ids, positions, labels, starts = (x[real][None] for x in (ids, positions, labels, starts))
             bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
+        if sequence_shard and sequence_shard[1] > 1:
+            from . import sequence_parallel
+            return sequence_parallel.shard(ids, positions, labels, *sequence_shard, device)
         segments = np.cumsum(starts, axis=-1)
         index = torch.from_numpy(np.flatnonzero(labels != -100)).to(device)
         ids, positions, labels, segments = torch.from_numpy(np.stack([ids, positions, labels, segments])).to(device)

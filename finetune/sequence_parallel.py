@@ -106,31 +106,31 @@ def documents_attention(sdpa):
     position_ids (a document starts where its position is 0), with the layer's sliding window if it has one."""
     def attention(module, query, key, value, attention_mask, *args, position_ids=None, **kwargs):
         starts = position_ids == 0
+        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # models pass it, or keep it
+        if not window and int(starts.sum()) == starts.shape[0] and bool(starts[:, 0].all()):
+            # one document a row (a stream of text cut into blocks): plain causal attention, no mask to build
+            return sdpa(module, query, key, value, None, *args, position_ids=position_ids, is_causal=True, **kwargs)
         segments = torch.cumsum(starts, dim=-1)
         n = position_ids.shape[-1]
         i = torch.arange(n, device=position_ids.device)
         allowed = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
-        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # models pass it, or keep it
         if window:
             allowed &= i[:, None] - i[None, :] < window
         return sdpa(module, query, key, value, allowed[:, None], *args, position_ids=position_ids, **kwargs)
     return attention
 
 
-def shard(batch, rank, size):
-    """This rank's shard of a training batch from Blocks.batch (inputs, (labels, index)): the rows padded to a
-    multiple of `size` tokens, then cut into `size` slices of tokens; the rank of an SP group takes its slice. The
-    labels were shifted on the whole row, so the shards together predict exactly the row's tokens."""
-    inputs, (labels, _) = batch
-    if size == 1:
-        return batch
-    ids, positions = inputs["input_ids"], inputs["position_ids"]
+def shard(ids, positions, labels, rank, size, device):
+    """This rank's shard of a training batch (Blocks.batch's token ids, positions and shifted targets, on the host):
+    the rows padded to a multiple of `size` tokens (a pad: position 0, no loss, a segment of its own), then cut into
+    `size` slices; the rank of an SP group takes its slice. The targets were shifted on the whole row, so the shards
+    together predict exactly the row's tokens. Returns the model's inputs and the loss targets, as Blocks.batch."""
     width = ids.shape[1]
     padded = math.ceil(width / size) * size
-    pad = lambda x, value: torch.nn.functional.pad(x, (0, padded - width), value=value)  # noqa: E731
-    ids, positions, labels = pad(ids, 0), pad(positions, 0), pad(labels, -100)  # pads: segments of one, no loss
+    pad = lambda x, value: np.pad(x, ((0, 0), (0, padded - width)), constant_values=value)  # noqa: E731
+    ids, positions, labels = pad(ids, 0), pad(positions, 0), pad(labels, -100)
     piece = slice(rank * (padded // size), (rank + 1) * (padded // size))
     ids, positions, labels = ids[:, piece], positions[:, piece], labels[:, piece]
-    index = torch.from_numpy(np.flatnonzero(labels.cpu().numpy() != -100)).to(labels.device)
-    return ({"input_ids": ids, "position_ids": positions, "use_cache": False, SHARDED: True},
-            (labels.contiguous(), index))
+    index = torch.from_numpy(np.flatnonzero(labels != -100)).to(device)
+    ids, positions, labels = torch.from_numpy(np.stack([ids, positions, labels])).to(device)
+    return {"input_ids": ids, "position_ids": positions, "use_cache": False, SHARDED: True}, (labels, index)

@@ -480,9 +480,9 @@ def sequence_parallel(args, config):
     return finetune_sp.setup(args, config, torch.distributed.get_world_size(), rows)
 
 
-def sequence_shard(batch, rank, args):
-    """This rank's shard of its replica's micro-batch (the whole batch without sequence parallelism)."""
-    return finetune_sp.shard(batch, rank % args.sequence_parallel, args.sequence_parallel)
+def sequence_shard(rank, args):
+    """Which shard of its replica's micro-batch this rank takes: (its place in its SP group, the group's size)."""
+    return rank % args.sequence_parallel, args.sequence_parallel
 
 
 def gradient_divisor(engine, world_size, args):

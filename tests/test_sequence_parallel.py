@@ -1,6 +1,7 @@
 """--sequence-parallel (Ulysses) in zero-optimization.py on CPU (gloo has the all-to-all): each sequence split over
 ranks trains as single-gpu.py on the same batches, documents and sliding windows kept apart, under ZeRO-2 and
 ZeRO-3, with LoRA, offload and gradient checkpointing, resumed with another N; and each refusal is one line."""
+import numpy as np
 import pytest
 import torch
 
@@ -65,16 +66,15 @@ def test_2_replicas_of_2_ranks_with_zero3_and_lora_train_as_one_process(tiny, tm
 def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
     """Rows of 5 tokens over 2 ranks: padded to 6 (a pad at position 0, no loss), 3 tokens each; the targets were
     shifted on the whole row, so together the shards predict the row's tokens, each once."""
-    ids = torch.tensor([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
-    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
-    labels = torch.tensor([[11, 12, -100, 14, -100], [-100, 22, 23, 24, -100]])
-    batch = ({"input_ids": ids, "position_ids": positions, "use_cache": False}, (labels, None))
-    shards = [sp.shard(batch, rank, 2) for rank in (0, 1)]
+    ids = np.array([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    positions = np.array([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    labels = np.array([[11, 12, -100, 14, -100], [-100, 22, 23, 24, -100]])
+    shards = [sp.shard(ids, positions, labels, rank, 2, torch.device("cpu")) for rank in (0, 1)]
     assert [s[0]["input_ids"].tolist() for s in shards] == [[[10, 11, 12], [20, 21, 22]], [[13, 14, 0], [23, 24, 0]]]
     assert [s[0]["position_ids"].tolist() for s in shards] == [[[0, 1, 2], [0, 1, 2]], [[0, 1, 0], [3, 4, 0]]]
     assert [s[1][0].tolist() for s in shards] == [[[11, 12, -100], [-100, 22, 23]], [[14, -100, -100], [24, -100, -100]]]
     assert [s[1][1].tolist() for s in shards] == [[0, 1, 4, 5], [0, 3]]  # where the loss is, in each shard
-    assert all(s[0][sp.SHARDED] for s in shards) and sp.shard(batch, 0, 1) is batch
+    assert all(s[0][sp.SHARDED] for s in shards) and "attention_mask" not in shards[0][0]
 
 
 def test_the_documents_mask_is_built_from_the_gathered_positions():
@@ -83,8 +83,12 @@ def test_the_documents_mask_is_built_from_the_gathered_positions():
     seen = {}
 
     def sdpa(module, q, k, v, mask, *args, **kwargs):
-        seen["mask"] = mask
+        seen["mask"], seen["causal"] = mask, kwargs.get("is_causal")
         return None, None
+
+    one = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])  # a document a row (a stream cut into blocks): no mask to build
+    sp.documents_attention(sdpa)(torch.nn.Module(), None, None, None, None, position_ids=one)
+    assert seen == {"mask": None, "causal": True}
 
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0]])
     sp.documents_attention(sdpa)(torch.nn.Module(), None, None, None, None, position_ids=positions, sliding_window=2)
