@@ -147,11 +147,14 @@ def active_parameters(config):
     return sum(p.numel() * k // experts if p.dim() == 3 and p.shape[0] == experts else p.numel() for p in unique)
 
 
-def activations(batch, seq, config, precision, checkpointing, loss_chunk):
+def activations(batch, seq, config, precision, checkpointing, loss_chunk, sequence_parallel=1):
     """Peak bytes of activations per GPU: 34·s·b·h per layer in 16 bits (twice that in fp32), 2·s·b·h per layer
     with checkpointing plus one layer recomputed; and the logits as the loss path holds them (logits_bytes). Of the
     34, 19 are the MLP's at a width of 4h: a mixture of experts holds them for the experts each token goes through,
-    each of its own width (all experts' weights are model states, the active ones' activations are these)."""
+    each of its own width (all experts' weights are model states, the active ones' activations are these). With
+    sequence parallelism a GPU holds the activations of its 1/N of the tokens (around attention, the whole sequence
+    for 1/N of the heads: the same size), and the logits of its tokens."""
+    seq = math.ceil(seq / sequence_parallel)
     scale = 2 if precision in ("fp32", "tf32") else 1
     text = config.get_text_config()
     hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
@@ -179,8 +182,9 @@ def plan(args):
     config = load_config(args.model)
     params = parameters(config, args.lora_rank, args.lora_targets)
     ranks = args.gpus * args.nodes
-    acts = activations(args.batch_size, args.block_size, config, args.precision, args.gradient_checkpointing,
-                       args.loss_chunk)
+    acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
+                                        args.gradient_checkpointing, args.loss_chunk, args.sequence_parallel)
+    acts = acts_at(args.block_size)
     b = 4 if args.precision in ("fp32", "tf32") else 2
     total, hidden = sum(k for k, _ in params), config.get_text_config().hidden_size
     rows = []
@@ -193,14 +197,28 @@ def plan(args):
             transient += norm_copy_bytes(params, ranks)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)
             transient = b * min(total, REUSE_DISTANCE)
-        peak = max(states["gpu"] + transient + acts, states["in_step"] - states["cpu"])
+        peak_at = lambda block: max(states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"])
+        peak = peak_at(args.block_size)
+        budget = args.gpu_memory * GiB * HEADROOM
         load = 0 if option.startswith("ZeRO-3") else 4 * total * args.gpus  # each process loads the model on CPU
         cpu = states["cpu"] * args.gpus + load
-        fits = peak <= args.gpu_memory * GiB * HEADROOM and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB)
+        fits = peak <= budget and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB)
         rows.append({"option": option, "model_states_bytes_per_gpu": states["gpu"],
                      "held_after_step_bytes_per_rank": states["after_step"], "activations_bytes_per_gpu": acts,
-                     "peak_bytes_per_gpu": peak, "cpu_bytes_per_node": cpu, "fits": fits})
+                     "peak_bytes_per_gpu": peak, "cpu_bytes_per_node": cpu, "fits": fits,
+                     "longest_block": longest_block(peak_at, budget, args.sequence_parallel)})
     return config, params, rows
+
+
+def longest_block(peak_at, budget, multiple, limit=2**24):
+    """The longest block (tokens, a multiple of 64 and of the sequence-parallel size) whose peak fits the budget,
+    or 0: the peak grows with the block."""
+    step = 64 * multiple // math.gcd(64, multiple)
+    low, high = 0, limit // step
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if peak_at(middle * step) <= budget else (low, middle - 1)
+    return low * step
 
 
 def recommend(rows, gpus, nodes):
@@ -224,15 +242,19 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="sequences per GPU per micro-step")
     p.add_argument("--block-size", type=int, default=512, help="tokens per sequence")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--sequence-parallel", type=int, default=1, help="each sequence split over N GPUs (Ulysses)")
     p.add_argument("--loss-chunk", type=int, default=1024, help="as the scripts' flag (0: all logits at once)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")  # the libraries' deprecation notes, from building the model on the meta device
-    for flag in ("gpus", "nodes", "gpu_memory", "batch_size", "block_size"):
+    for flag in ("gpus", "nodes", "gpu_memory", "batch_size", "block_size", "sequence_parallel"):
         if getattr(args, flag) <= 0:
             sys.exit(f"error: --{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if (args.gpus * args.nodes) % args.sequence_parallel:
+        sys.exit(f"error: --sequence-parallel {args.sequence_parallel} does not divide the {args.gpus * args.nodes} "
+                 f"GPUs; use a divisor")
 
     config, params, rows = plan(args)
     best = recommend(rows, args.gpus, args.nodes)
@@ -248,12 +270,14 @@ def main(argv=None):
     print(f"{args.model}: {total / 1e9:.2f}B parameters{moe}{lora}; {args.nodes} node(s) x {args.gpus} GPU(s) of "
           f"{args.gpu_memory:g} GiB; {args.precision}, micro-batch {args.batch_size} x {args.block_size} tokens, "
           f"activations {rows[0]['activations_bytes_per_gpu'] / GiB:.1f} GiB per GPU"
-          f"{' (gradient checkpointing)' if args.gradient_checkpointing else ''}")
-    print(f"{'option':<24}{'model states/GPU':>17}{'peak/GPU':>11}{'CPU/node':>11}  fits")
+          f"{' (gradient checkpointing)' if args.gradient_checkpointing else ''}"
+          f"{f', each sequence over {args.sequence_parallel} GPUs' if args.sequence_parallel > 1 else ''}")
+    print(f"{'option':<24}{'model states/GPU':>17}{'peak/GPU':>11}{'CPU/node':>11}  fits  longest block")
     for r in rows:
         states, peak, cpu = (r[k] / GiB for k in ("model_states_bytes_per_gpu", "peak_bytes_per_gpu",
                                                    "cpu_bytes_per_node"))
-        print(f"{r['option']:<24}{states:>13.1f} GiB{peak:>7.1f} GiB{cpu:>7.0f} GiB  {'yes' if r['fits'] else 'no'}")
+        print(f"{r['option']:<24}{states:>13.1f} GiB{peak:>7.1f} GiB{cpu:>7.0f} GiB  {'yes' if r['fits'] else 'no ':<4}"
+              f"{r['longest_block']:>14,}")
     if best:
         where = " (single-gpu.py on one GPU)" if best == "ZeRO-0" and args.gpus * args.nodes == 1 else ""
         print(f"recommended: {best}{where}, the fastest that fits {HEADROOM:.0%} of the GPU memory")

@@ -57,7 +57,7 @@ def plan_args(model, gpus, memory, *extra):
     import argparse
     p = {"model": model, "gpus": gpus, "nodes": 1, "gpu_memory": memory, "cpu_memory": None, "precision": "bf16",
          "batch_size": 8, "block_size": 512, "gradient_checkpointing": False, "loss_chunk": 2048, "lora_rank": 0,
-         "lora_targets": "all-linear"}
+         "lora_targets": "all-linear", "sequence_parallel": 1}
     for k, v in extra:
         p[k] = v
     return argparse.Namespace(**p)
@@ -75,6 +75,19 @@ def test_the_chunked_loss_holds_a_chunk_of_logits():
     assert plan.logits_bytes(8 * 512, 50272, "bf16", 0) == 8 * 512 * 50272 * 14  # 2.9 GB: all logits at once
     assert plan.logits_bytes(8 * 512, 50272, "bf16", 1024) == 1024 * 50272 * 6  # 0.3 GB
     assert plan.logits_bytes(8 * 512, 50272, "fp32", 1024) == 1024 * 50272 * 4
+
+
+def test_sequence_parallelism_divides_the_activations_and_lengthens_the_longest_block():
+    """Each of N GPUs holds the activations of 1/N of the tokens: at block 8192 over 4 GPUs, those of block 2048 on
+    one; the longest block that fits grows as the activations' share of the memory shrinks."""
+    config = plan.load_config("facebook/opt-1.3b")
+    one = plan.activations(1, 2048, config, "bf16", False, 1024)
+    assert plan.activations(1, 8192, config, "bf16", False, 1024, sequence_parallel=4) == one
+    assert one == 34 * 2048 * 2048 * 24 + 1024 * 50272 * 6  # 34·s·b·h per layer, and one chunk of logits
+    longest = {n: {r["option"]: r["longest_block"] for r in plan.plan(plan_args(
+        "facebook/opt-1.3b", 8, 80, ("sequence_parallel", n), ("batch_size", 1)))[2]} for n in (1, 8)}
+    for option, block in longest[1].items():  # the model states stay: a little more than 8x
+        assert 8 * block <= longest[8][option] < 8 * (block + 64), option
 
 
 def test_recommends_the_fastest_option_that_fits(capsys):

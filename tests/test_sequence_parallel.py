@@ -122,3 +122,26 @@ def test_zero3_under_sequence_parallelism_keeps_its_reduce_scatter(tiny, tmp_pat
         "--deepspeed", str(tmp_path / "ds.json"), "--sequence-parallel", "2"])
     with pytest.raises(SystemExit, match="needs zero_optimization.reduce_scatter true at stage 3"):
         zero.deepspeed_config(args, 2, 4, 1, AutoConfig.from_pretrained(tiny["model"]))
+
+
+def test_with_flash_attention_the_documents_laid_end_to_end_are_cut_into_the_shards(tiny):
+    """FlashAttention (what a GPU runs): the micro-batch's documents are one row, without padding; under sequence
+    parallelism that row is cut into the shards with no boundaries of its own (cu_seq_lens): FlashAttention takes
+    them from the gathered positions, which restart at each document (transformers' flash utils, varlen from
+    position_ids)."""
+    from types import SimpleNamespace
+
+    from finetune import data, models
+
+    args = single.parse_args(chats(tiny, tiny["model"], "/tmp/unused", **{"--batch-size": 4}))
+    train = data.prepare(args, models.load_tokenizer(args.model))[0]
+    flash = SimpleNamespace(_attn_implementation="flash_attention_2")
+    rows = [0, 1, 2, 3]
+    whole, (targets, _) = train.batch(rows, 0, torch.device("cpu"), flash)
+    assert "cu_seq_lens_q" in whole and whole["input_ids"].shape[0] == 1
+    shards = [train.batch(rows, 0, torch.device("cpu"), flash, sequence_shard=(rank, 2)) for rank in (0, 1)]
+    assert all("cu_seq_lens_q" not in s[0] and s[0]["input_ids"].shape[0] == 1 for s in shards)
+    joined = torch.cat([s[0]["input_ids"] for s in shards], dim=1)
+    width = whole["input_ids"].shape[1]
+    assert torch.equal(joined[:, :width], whole["input_ids"]) and (joined[:, width:] == 0).all()
+    assert torch.equal(torch.cat([s[1][0] for s in shards], dim=1)[:, :width], targets)
