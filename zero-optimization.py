@@ -115,7 +115,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data
     tokenizer = models.load_tokenizer(args.model, **remote)
     train, evals = data.prepare(args, tokenizer, local_rank)  # tokenized and packed once per node, then mapped
-    global_batch = args.batch_size * args.grad_accum * world_size // args.sequence_parallel  # ZeRO: N ranks, 1 sequence
+    global_batch = args.batch_size * args.grad_accum * world_size // args.sequence_parallel  # ZeRO: SP ranks share rows
     batches = training.GlobalBatches(len(train), global_batch, args.seed)
     if batches.steps_per_epoch == 0:
         training.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import hardware
 from .training import fail
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
@@ -468,7 +469,7 @@ def document_masks(same, config, layout):
     have one: a 4-D mask passes transformers' mask building as it is, so a layer that attends only to its last
     `sliding_window` tokens (Mistral's, Gemma 2/3's local layers, gpt-oss's) must get that window here, or training
     would attend further than inference does. Models that mix full and sliding layers take a mask per layer type."""
-    config = config.get_text_config()  # a multimodal model (Gemma 3 4B and up) keeps its layers' settings there
+    config = hardware.text_config(config)  # a multimodal model (Gemma 3 4B and up) keeps its layers' settings there
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
     as_layout = lambda m: m if layout != "additive" else torch.zeros(m.shape, device=m.device).masked_fill_(

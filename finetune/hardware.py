@@ -157,9 +157,15 @@ def matmul_params(model, trainable_only=False, all_experts=False):
     return total
 
 
+def text_config(config):
+    """The settings of a model's language layers: a multimodal model (Gemma 3 from 4B up) keeps them in its text
+    config; a text model's config is its own."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def experts_per_token(config):
     """(experts, experts a token is routed to) of a mixture-of-experts model, or (None, None)."""
-    text = config.get_text_config()
+    text = text_config(config)
     experts = next((getattr(text, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
                     if getattr(text, n, None)), None)
     return (experts, getattr(text, "num_experts_per_tok", None) or 1) if experts else (None, None)
@@ -173,7 +179,7 @@ def flops_per_token(config, num_params, attended, trainable=None):
     6N is 2N forward, 2N for the gradients of the activations and 2N for those of the weights: with frozen weights
     (LoRA) only the `trainable` of the N have the last, so 4N + 2·trainable."""
     weights = num_params if trainable is None else trainable
-    config = config.get_text_config()
+    config = text_config(config)
     width = config.num_attention_heads * getattr(config, "head_dim", None) if getattr(config, "head_dim", None) \
         else config.hidden_size  # the queries' width: Gemma 2's and gpt-oss's differ from the hidden size
     return 4 * num_params + 2 * weights + 12 * config.num_hidden_layers * width * attended

@@ -17,13 +17,15 @@ import types
 import torch
 import torch.nn.functional as F
 
+from . import hardware
+
 # models whose logits are more than head(hidden): softcapped or scaled. They take the plain path.
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
 def postprocessed_logits(config):
     """The name of the setting that makes this model's logits more than head(hidden), or None."""
-    text = config.get_text_config()  # a multimodal model keeps it there
+    text = hardware.text_config(config)  # a multimodal model keeps it there
     return next((name for name in LOGIT_POSTPROCESSING if getattr(text, name, None) not in (None, 1, 1.0)), None)
 
 

@@ -226,7 +226,7 @@ def _generate(model, tokenizer, ids, device, max_new_tokens=40):
     """Greedy decoding of the model in memory, within its positions; it is left in the mode it was in."""
     engine = model if hasattr(model, "zero_optimization_partition_weights") else None
     net = getattr(model, "module", model)
-    positions = getattr(net.config.get_text_config(), "max_position_embeddings", None)
+    positions = getattr(hardware.text_config(net.config), "max_position_embeddings", None)
     if positions:
         ids, max_new_tokens = ids[-(positions - 1):], min(max_new_tokens, positions - min(len(ids), positions - 1))
     was_training = net.training

@@ -24,6 +24,7 @@ import math
 import numpy as np
 import torch
 
+from . import hardware
 from .training import fail
 
 SHARDED = "sequence_sharded"  # the batch key that marks a training batch cut into sequence shards
@@ -35,7 +36,7 @@ def setup(args, config, world_size, batch_rows):
     size = args.sequence_parallel
     if size == 1:
         return None
-    text = config.get_text_config()
+    text = hardware.text_config(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     implementation = config._attn_implementation or "sdpa"

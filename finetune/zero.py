@@ -148,7 +148,7 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
         zero["stage"] = args.zero_stage
     sp = getattr(args, "sequence_parallel", 1)
     if sp > 1:  # an SP group is one data-parallel replica: DeepSpeed counts the batch per replica
-        text = model_config.get_text_config()
+        text = hardware.text_config(model_config)
         finetune_sp.check(sp, world_size, text.num_attention_heads,
                           getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
                           model_config._attn_implementation or "sdpa", type(model_config).__name__)

@@ -336,3 +336,20 @@ def test_an_eval_file_of_its_own(tmp_path, tiny, tokenizer, monkeypatch):
         data.prepare(data_args(tiny["data"], eval_dataset=tiny["chats"]), tokenizer)
     assert str(e.value) == (f"error: --eval-dataset {tiny['chats']} has columns messages and the training data is "
                             f"text in text; give the eval data the same columns")
+
+
+def test_a_multimodal_models_layers_take_their_windows_from_its_text_config():
+    """Gemma 3 from 4B up loads as Gemma3ForConditionalGeneration, whose config keeps the layers' settings (sliding
+    window, layer types) in its text config: the documents' masks must read them there, or the local layers would
+    attend beyond their window."""
+    from transformers import Gemma3Config
+
+    config = Gemma3Config(text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                           sliding_window=2, layer_types=["sliding_attention", "full_attention"]))
+    assert getattr(config, "sliding_window", None) is None  # not at the top
+    same = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    masks = data.document_masks(same, config, "bool")
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    assert masks["sliding_attention"][0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert torch.equal(masks["full_attention"], same)

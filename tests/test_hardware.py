@@ -196,3 +196,51 @@ def test_ctrl_c_is_one_line_from_rank_0_and_silence_from_the_others(monkeypatch)
         with pytest.raises(SystemExit) as e:
             zero.run_distributed(interrupted)
         assert e.value.code == code
+
+
+def test_mfu_counts_the_experts_a_token_goes_through_and_the_queries_width():
+    """A mixture of experts: each token goes through 2 of the 4 experts, so half of their fused weights count (MFU
+    against the active parameters, not all); the attention term uses heads x head size (Gemma 2, gpt-oss: not the
+    hidden size)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    mixtral = AutoModelForCausalLM.from_config(MixtralConfig(
+        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2))
+    experts = sum(p.numel() for p in mixtral.parameters() if p.dim() == 3)
+    dense = sum(p.numel() for p in mixtral.parameters()) - 100 * 16  # the input embedding is a lookup (untied)
+    assert experts == 4 * (2 * 32 * 16 + 16 * 32) and hardware.experts_per_token(mixtral.config) == (4, 2)
+    assert hardware.matmul_params(mixtral) == dense - experts // 2
+    assert hardware.matmul_params(mixtral, all_experts=True) == dense
+    assert hardware.flops_per_token(mixtral.config, 1000, attended=50) == 6 * 1000 + 12 * 1 * (4 * 8) * 50
+
+
+def test_a_model_that_names_its_own_flash_kernels_does_not_get_flash_attention_2():
+    """gpt-oss lists hub kernels that keep its attention sinks: transformers would swap FlashAttention-2 for one of
+    them (a download, and a package); FlashAttention-2 itself would drop the sinks. It keeps transformers' default."""
+    sinks = ["kernels-community/vllm-flash-attn3"]
+    assert hardware.attention(H100, "bf16", True, True, sinks) is None
+    assert hardware.attention(H100, "bf16", True, True, ["flash_attention_2", *sinks]) == "flash_attention_2"
+    assert data.attention_layout("kernels-community/vllm-flash-attn3") == "varlen"  # a flash kernel's layout
+
+
+def test_mixtures_of_experts_are_zero3_leaf_modules_found_by_their_structure(tmp_path):
+    """Under ZeRO-3 each MoE block (router and experts) is gathered at once: OLMoE's and gpt-oss's blocks, which
+    DeepSpeed 0.19.8 does not name, are found by their fused experts; a file's own leaf_module list wins."""
+    import json
+    from transformers import GptOssConfig, OlmoeConfig
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, num_experts_per_tok=2)
+    olmoe, gpt_oss = OlmoeConfig(**small, num_experts=4), GptOssConfig(**small, num_local_experts=4, head_dim=8)
+    assert zero.moe_blocks(zero.meta_model(olmoe))[-1:] == ["OlmoeSparseMoeBlock"]
+    assert zero.moe_blocks(zero.meta_model(gpt_oss))[-1:] == ["GptOssMLP"]
+    args = argparse.Namespace(deepspeed=str(zero.DEFAULT_CONFIG), zero_stage=3, offload=None, precision="fp32",
+                              batch_size=1, grad_accum=1, max_grad_norm=1.0, lr=1e-3, weight_decay=0.0)
+    assert "OlmoeSparseMoeBlock" in zero.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"][
+        "classes"]
+    own = json.loads(open(zero.DEFAULT_CONFIG).read())
+    own["zero_optimization"]["leaf_module"] = {"classes": []}  # off
+    (tmp_path / "ds.json").write_text(json.dumps(own))
+    args.deepspeed = str(tmp_path / "ds.json")
+    assert zero.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"] == {"classes": []}

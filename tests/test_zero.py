@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, launch, load_script,
                       results, weights)
