@@ -441,3 +441,23 @@ def test_a_run_killed_in_its_first_save_starts_over_under_resume_auto(tmp_path):
     assert not (tmp_path / "checkpoints" / ".tmp-step-500").exists()
     with pytest.raises(SystemExit, match="has no checkpoints to resume from"):
         checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume="newest", rank=0)
+
+
+def test_the_flight_recorder_is_on_and_dumps_into_the_output_folder(tmp_path):
+    """torch's flight recorder, set before the process group exists: its buffer (torch 2.13's own name, not the
+    deprecated NCCL one, which every rank would warn about), NCCL's dump on a timeout into the output folder rather
+    than /tmp; a value the user set is kept."""
+    environ = {"TORCH_FR_BUFFER_SIZE": "100"}
+    hangs.flight_recorder_env(tmp_path / "run", environ)
+    assert environ == {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_FR_DUMP_TEMP_FILE": str((tmp_path / "run").resolve() / "nccl_trace_rank_")}
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ
+
+
+
+def test_the_hang_line_groups_the_ranks_by_where_they_are():
+    """The fewest first (the rank that stopped is usually alone), then those that did not report."""
+    assert hangs.summary({0: "all_reduce at x.py:1", 1: "beat at y.py:2", 3: "all_reduce at x.py:1"}, 5) == (
+        "rank 1 in beat at y.py:2; ranks 0,3 in all_reduce at x.py:1; ranks 2,4 did not report (stopped, or on a "
+        "node whose watchdog could not run)")
+    assert hangs.spans([0, 1, 2, 4, 5, 7]) == "0-2,4-5,7" and hangs.spans([3]) == "3"
