@@ -135,7 +135,7 @@ def main(argv=None):
     schedule = lambda opt: get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
         model=model, model_parameters=training.param_groups(model, args.weight_decay), config=ds_config,
-        lr_scheduler=None if "scheduler" in ds_config else schedule, mpu=zero.sequence_parallel(args, config))
+        lr_scheduler=None if "scheduler" in ds_config else schedule, mpu=zero.sequence_parallel(args, model))
     autocast = hardware.autocast(device, "none")  # ZeRO: the engine keeps 16-bit weights itself (and fp32 masters)
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)

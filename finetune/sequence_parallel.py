@@ -30,12 +30,13 @@ from .training import fail
 SHARDED = "sequence_sharded"  # the batch key that marks a training batch cut into sequence shards
 
 
-def setup(args, config, world_size, batch_rows):
+def setup(args, model, world_size, batch_rows):
     """The process groups and the attention for --sequence-parallel; the mpu that deepspeed.initialize takes (None
     without SP). `batch_rows`: rows of a training micro-batch (1 when FlashAttention lays documents end to end)."""
     size = args.sequence_parallel
     if size == 1:
         return None
+    config = model.config
     text = hardware.text_config(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -54,13 +55,28 @@ def setup(args, config, world_size, batch_rows):
         num_hidden_layers=text.num_hidden_layers, process_group=parallel_state_sp.get_sequence_parallel_group(),
         seq_length_is_variable=True)
 
+    exchanged = {"yes": False}
+
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         if kwargs.pop(SHARDED, False):  # a training batch: its shards meet in the all-to-all
+            exchanged["yes"] = True
             return ulysses(module, query, key, value, None, *args, **kwargs)
         return core(module, query, key, value, attention_mask, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = attention
+    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__  # under LoRA too
+    model.register_forward_hook(
+        lambda module, args, kwargs, output: intercepted(exchanged["yes"], kwargs, name), with_kwargs=True)
     return Groups()
+
+
+def intercepted(exchanged, kwargs, model):
+    """After a sharded batch's forward: its attention went through the Ulysses exchange. A model whose attention
+    bypasses transformers' attention functions (code of its own) would attend within each shard only: a wrong
+    model, trained without a word."""
+    if kwargs.get(SHARDED) and not exchanged:
+        fail(f"--sequence-parallel: {model}'s attention does not go through transformers' attention functions, so "
+             f"DeepSpeed's Ulysses cannot take it over; train it without --sequence-parallel")
 
 
 class Groups:

@@ -471,13 +471,13 @@ def mend(engine):
         engine.clip_fp32_gradients = clip_and_keep
 
 
-def sequence_parallel(args, config):
+def sequence_parallel(args, model):
     """--sequence-parallel's process groups and attention (sequence_parallel.py): the mpu for deepspeed.initialize,
     or None without it."""
     from . import data
 
-    rows = 1 if data.attention_layout(config._attn_implementation) == "varlen" else args.batch_size
-    return finetune_sp.setup(args, config, torch.distributed.get_world_size(), rows)
+    rows = 1 if data.attention_layout(model.config._attn_implementation) == "varlen" else args.batch_size
+    return finetune_sp.setup(args, model, torch.distributed.get_world_size(), rows)
 
 
 def sequence_shard(rank, args):

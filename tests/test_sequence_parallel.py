@@ -109,6 +109,14 @@ def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, mes
     assert str(e.value).startswith("error: ") and message in str(e.value)
 
 
+def test_a_model_whose_attention_bypasses_transformers_is_one_line():
+    """Attention code of a model's own never reaches the exchange: each shard would attend to itself only."""
+    sp.intercepted(True, {sp.SHARDED: True}, "M")  # went through it
+    sp.intercepted(False, {}, "M")  # an eval batch, whole sequences: nothing to exchange
+    with pytest.raises(SystemExit, match="M's attention does not go through transformers' attention functions"):
+        sp.intercepted(False, {sp.SHARDED: True}, "M")
+
+
 def test_zero3_under_sequence_parallelism_keeps_its_reduce_scatter(tiny, tmp_path):
     """ZeRO-3 averages gradients over every rank in its reduce-scatter; without it, over the replicas in some buckets
     and every rank in others: refused in one line rather than trained with a gradient off by N in places."""
