@@ -20,7 +20,7 @@ from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTo
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from finetune import checkpoints, data, demo, hardware, models, training, zero
+from finetune import checkpoints, data, demo, distributed, hardware, models, training, zero
 
 
 def class_labels(train, evaluation, column, name):
@@ -215,7 +215,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- setup
     # who this process is (srun's tasks too), and its GPU, made current before anything touches CUDA: the Trainer
     # would set it only once it builds its state, after DeepSpeed's process group and the model
-    rank, local_rank, world_size = zero.launch_env(world_of_one=bool(args.deepspeed))
+    rank, local_rank, world_size = distributed.launch_env(world_of_one=bool(args.deepspeed))
     device = hardware.first_device(local_rank)
     say = print if rank == 0 else (lambda *a, **k: None)
     training.quiet(args.verbose, rank)
@@ -316,4 +316,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    zero.run_distributed(main)  # one line if a rank is lost; no teardown abort after a good run
+    distributed.run_distributed(main)  # one line if a rank is lost; no teardown abort after a good run

@@ -17,7 +17,7 @@ from transformers import AutoConfig, get_cosine_schedule_with_warmup
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
 from finetune import checkpoints, data, demo, hardware, loss, models, tracking, training
-from finetune import zero  # ZeRO
+from finetune import distributed, zero  # ZeRO
 
 
 def parse_args(argv=None):
@@ -99,11 +99,11 @@ def main(argv=None):
     args = parse_args(argv)
 
     # -------------------------------------------------------------------------------- setup
-    rank, local_rank, world_size = zero.launch_env()  # ZeRO: from deepspeed, torchrun, srun; or a world of one
+    rank, local_rank, world_size = distributed.launch_env()  # ZeRO: from deepspeed, torchrun, srun; or a world of one
     device = hardware.first_device(local_rank)  # this process's GPU, made current before anything touches CUDA
     say = tqdm.write if rank == 0 else (lambda *a, **k: None)
     training.quiet(args.verbose, rank)
-    deepspeed.init_distributed(timeout=zero.collective_settings(args))  # ZeRO: nccl or gloo; timeouts, flight recorder
+    deepspeed.init_distributed(timeout=distributed.collective_settings(args))  # ZeRO: nccl or gloo; timeouts, flight recorder
     args.precision = hardware.choose_precision(args.precision, hardware.facts(device))  # To-Do: --precision
     hardware.set_matmul_precision(args.precision)
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
@@ -218,4 +218,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    zero.run_distributed(main)  # ZeRO: one line, not a traceback from every rank, if a rank is lost
+    distributed.run_distributed(main)  # ZeRO: one line, not a traceback from every rank, if a rank is lost

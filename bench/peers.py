@@ -23,7 +23,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerC
                           default_data_collator)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune import data, training, zero  # noqa: E402
+from finetune import data, distributed, training, zero  # noqa: E402
 
 
 # ZeRO-2 as transformers' DeepSpeed integration documents it (docs: "ZeRO-2 example"), "auto" filled by the Trainer
@@ -88,7 +88,7 @@ def main():
     args = p.parse_args()
     if args.deepspeed:
         import deepspeed
-        zero.launch_env()
+        distributed.launch_env()
         deepspeed.init_distributed()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -122,7 +122,7 @@ def main():
             "steady": steady, "train_tokens": useful, "losses": [out.training_loss], "world_size": world_size,
             "global_batch_size": args.batch_size * world_size, "steps": args.steps,
             "peak_memory_bytes": training.peak_memory_bytes(torch.device("cuda" if cuda else "cpu"))})
-    zero.remove_shm_buffer()
+    distributed.remove_shm_buffer()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
-"""DeepSpeed plumbing for zero-optimization.py (and sequence_classification.py under DeepSpeed): who this process is,
-the collectives' timeouts, the config's "auto" values, resuming on another number of ranks, the entry point."""
-import datetime
+"""DeepSpeed plumbing for zero-optimization.py (and sequence_classification.py under DeepSpeed): the config's "auto"
+values, the engine's repairs, gathering the model, resuming on another number of ranks. (Who this process is and the
+entry point: distributed.py.)"""
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,121 +17,6 @@ from . import sequence_parallel as finetune_sp
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER, fail
 
 DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
-
-
-def launch_env(environ=None, world_of_one=True):
-    """RANK, LOCAL_RANK and WORLD_SIZE, setting them (and the rendezvous) when no launcher did.
-
-    deepspeed and torchrun set them. `srun python3 zero-optimization.py` starts one process per task with SLURM's
-    variables only: without this, each task would be a silent world of one training the same batches into the same
-    folder. A plain `python3` run is a world of one on this host (DeepSpeed would otherwise look for MPI)."""
-    environ = os.environ if environ is None else environ
-    environ.update(slurm_env(environ) or {})
-    if "RANK" not in environ and world_of_one:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]  # a free port, so two such runs do not collide
-        environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=environ.get("MASTER_PORT", str(port)))
-    # DeepSpeed picks the GPU from LOCAL_RANK (the process group's device_id, the engine, ZeRO-3's Init): a process
-    # that sees one GPU only (SLURM's --gpus-per-task) must say 0 there
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible:
-        environ["LOCAL_RANK"] = str(hardware.device_index(int(environ.get("LOCAL_RANK", 0)), visible))
-    return int(environ.get("RANK", 0)), int(environ.get("LOCAL_RANK", 0)), int(environ.get("WORLD_SIZE", 1))
-
-
-def slurm_env(environ):
-    """The torch.distributed variables of a task that srun started without a launcher, or None when a launcher set
-    them (RANK is there) or this is no multi-task srun step (a batch script, or `srun --pty bash`: one task)."""
-    if "RANK" in environ or int(environ.get("SLURM_STEP_NUM_TASKS", "1")) <= 1:
-        return None
-    nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-    if "SLURM_PROCID" not in environ or "SLURM_LOCALID" not in environ or not nodes:
-        fail("srun started this task without SLURM_PROCID, SLURM_LOCALID or SLURM_STEP_NODELIST; launch with "
-             "`srun torchrun ...` (job/slurm.sbatch) instead")
-    job = int(environ.get("SLURM_JOB_ID", "0"))
-    return {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ["SLURM_STEP_NUM_TASKS"],
-            "LOCAL_RANK": environ["SLURM_LOCALID"], "MASTER_ADDR": environ.get("MASTER_ADDR", first_host(nodes)),
-            "MASTER_PORT": environ.get("MASTER_PORT", str(20000 + job % 20000))}  # the same in every task of the job
-
-
-def first_host(nodelist):
-    """The first host of a SLURM node list, as `scontrol show hostnames` gives it: 'gpu[07-08,11],cpu1' -> 'gpu07',
-    'rack[1-2]-n[01-04]' -> 'rack1-n01', 'a[1-2]-ib' -> 'a1-ib'."""
-    first = re.match(r"((?:[^,\[]|\[[^\]]*\])+)", nodelist.strip())
-    if not first:
-        fail(f"cannot read SLURM's node list {nodelist!r}; set MASTER_ADDR to the first node's address")
-    return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first.group(1))
-
-
-def collective_settings(args):
-    """Before the process group is made: a bound on every collective, --dist-timeout, and torch's flight recorder
-    on (hangs.py reads it when a rank stops). init_process_group's timeout covers only the world group; DeepSpeed
-    builds its ZeRO groups with new_group(), which falls back to torch's module default (30 min on gloo, 10 on NCCL),
-    so a stuck rank would hang the others that long. Set that default too, before DeepSpeed makes its groups."""
-    import torch.distributed.distributed_c10d as c10d
-
-    from . import hangs
-
-    hangs.flight_recorder_env(args.output_dir)
-    timeout = datetime.timedelta(seconds=args.dist_timeout)
-    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
-    return timeout
-
-
-def run_distributed(main):
-    """Run main() of a distributed script. When a collective fails because another rank died or stopped answering
-    (--dist-timeout), end with one line instead of a traceback; the launcher then stops the other ranks and says which
-    one exited."""
-    code = 0
-    try:
-        main()
-    except SystemExit as e:  # stopped by a signal with its checkpoint written: the CPU exit below, with its status
-        if e.code != checkpoints.STOPPED:
-            raise
-        code = e.code
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: one line, from rank 0
-        raise SystemExit("stopped by Ctrl-C; what was logged is on disk, and --resume continues from the newest "
-                         "checkpoint" if os.environ.get("RANK", "0") == "0" else 130)
-    except RuntimeError as e:
-        lost = ("timed out", "Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL error")
-        if not any(marker in str(e) for marker in lost):
-            raise
-        rank = os.environ.get("RANK", "?")
-        reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
-        raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
-                         f"answering; see the launcher's log for which, then rerun with --resume")
-    remove_shm_buffer()
-    if skip_teardown(torch.cuda.is_available()):
-        # On CPU (gloo), about one run in 200 aborts in the interpreter's teardown, after every output is written
-        # ("terminate called without an active exception", exit 250): a native thread of the CPU communication
-        # stack still joinable at exit. A launcher would report that as a failed run, so leave without the teardown
-        # there, flushing first. GPU runs (NCCL) exit normally: exit handlers (W&B, TensorBoard, profilers) run.
-        import logging
-
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if code:
-        raise SystemExit(code)
-
-
-def skip_teardown(cuda_available):
-    return not cuda_available
-
-
-def remove_shm_buffer():
-    """DeepSpeed's CPU all-reduce (its shm_comm op, used when all ranks share one machine) maps a 66 MB file per rank
-    in /dev/shm and, in 0.19.8, never removes it (its shared_close is never called): the files pile up in memory with
-    every run on a new port. Each rank removes its own once the run has succeeded: every rank mapped them all at
-    start-up, and a mapping outlives the name."""
-    env = os.environ.get
-    Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env('MASTER_ADDR', '')}_{env('MASTER_PORT', '')}_"
-         f"{env('RANK', '')}").unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from transformers.integrations import HfDeepSpeedConfig
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import plan  # noqa: E402
-from finetune import memory, training, zero  # noqa: E402
+from finetune import distributed, memory, training, zero  # noqa: E402
 
 OPTIONS = {"ZeRO-0": (0, None), "ZeRO-1": (1, None), "ZeRO-2": (2, None), "ZeRO-3": (3, None),
            "ZeRO-2 + CPU offload": (2, "cpu"), "ZeRO-3 + CPU offload": (3, "cpu"), "ZeRO-3 + NVMe offload": (3, "nvme")}
@@ -86,7 +86,7 @@ def main():
     p.add_argument("--local_rank", type=int, default=-1)
     p.add_argument("--nvme-path", help="also NVMe offload, swapping to this folder (needs libaio; not in the tests)")
     args = p.parse_args()
-    zero.launch_env()
+    distributed.launch_env()
     deepspeed.init_distributed()
     options = [o for o in OPTIONS if args.nvme_path or "NVMe" not in o]
     rows = [probe(m, precision, option, dist.get_world_size(), args.nvme_path)
@@ -95,9 +95,9 @@ def main():
     dist.all_gather_object(every, rows)
     if dist.get_rank() == 0:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for ranks in every for r in ranks))
-    zero.remove_shm_buffer()
+    distributed.remove_shm_buffer()
     dist.destroy_process_group()
-    os._exit(0)  # as the scripts do on CPUs (see zero.run_distributed)
+    os._exit(0)  # as the scripts do on CPUs (see distributed.run_distributed)
 
 
 if __name__ == "__main__":

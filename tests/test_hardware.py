@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import checkpoints, data, hardware, zero
+from finetune import checkpoints, data, distributed, hardware, zero
 from finetune.hardware import Facts
 
 H100 = Facts("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 8)
@@ -131,31 +131,31 @@ def slurm(procid, ntasks=2, localid=None, **more):
 
 
 def test_srun_tasks_form_one_world():
-    env = zero.slurm_env(slurm(3, ntasks=16, localid=3))
+    env = distributed.slurm_env(slurm(3, ntasks=16, localid=3))
     assert env == {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "MASTER_ADDR": "gpu07",
                    "MASTER_PORT": str(20000 + 4242 % 20000)}
-    assert zero.slurm_env(slurm(0, MASTER_PORT="29600"))["MASTER_PORT"] == "29600"
-    assert zero.slurm_env({**slurm(1), "RANK": "1"}) is None  # torchrun or deepspeed already set it up
-    assert zero.slurm_env(slurm(0, ntasks=1)) is None  # a batch script or `srun --pty bash`: one task
+    assert distributed.slurm_env(slurm(0, MASTER_PORT="29600"))["MASTER_PORT"] == "29600"
+    assert distributed.slurm_env({**slurm(1), "RANK": "1"}) is None  # torchrun or deepspeed already set it up
+    assert distributed.slurm_env(slurm(0, ntasks=1)) is None  # a batch script or `srun --pty bash`: one task
     environ = slurm(1, localid=1)
-    assert zero.launch_env(environ)[:3] == (1, 1, 2) and environ["MASTER_ADDR"] == "gpu07"
+    assert distributed.launch_env(environ)[:3] == (1, 1, 2) and environ["MASTER_ADDR"] == "gpu07"
 
 
 def test_srun_without_its_variables_is_one_line():
     broken = slurm(1)
     del broken["SLURM_LOCALID"]
     with pytest.raises(SystemExit, match="error: srun started this task without SLURM_PROCID, SLURM_LOCALID"):
-        zero.slurm_env(broken)
+        distributed.slurm_env(broken)
 
 
 @pytest.mark.parametrize("nodes, first", [("gpu[07-08,11],cpu1", "gpu07"), ("rack[1-2]-n[01-04]", "rack1-n01"),
                                           ("a[1-2]-ib", "a1-ib"), ("n01,n02", "n01"), ("node001", "node001")])
 def test_first_host_of_a_slurm_node_list(nodes, first):
-    assert zero.first_host(nodes) == first
+    assert distributed.first_host(nodes) == first
 
 
 def test_the_teardown_workaround_is_for_cpu_runs_only():
-    assert zero.skip_teardown(cuda_available=False) and not zero.skip_teardown(cuda_available=True)
+    assert distributed.skip_teardown(cuda_available=False) and not distributed.skip_teardown(cuda_available=True)
 
 
 def test_random_state_is_this_process_and_its_own_device():
@@ -194,7 +194,7 @@ def test_ctrl_c_is_one_line_from_rank_0_and_silence_from_the_others(monkeypatch)
                               "checkpoint"), ("1", 130)):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as e:
-            zero.run_distributed(interrupted)
+            distributed.run_distributed(interrupted)
         assert e.value.code == code
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import zero
+from finetune import distributed
 from conftest import ROOT, assert_close_losses, base_args, check, free_port, load_script, results
 
 single = load_script("single-gpu.py")
@@ -144,8 +144,8 @@ def test_slurm_script_writes_the_hostfile_and_the_launch(tmp_path, launcher):
            "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "4", "DRY_RUN": "1",
            "HOSTFILE": str(tmp_path / "hostfile"), "LAUNCHER": launcher, "SLURM_CPUS_PER_TASK": "32"}
     env.pop("MASTER_PORT", None)
-    # the port is the job's own, the one zero.slurm_env gives tasks srun starts without a launcher
-    port = zero.slurm_env({**env, "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})["MASTER_PORT"]
+    # the port is the job's own, the one distributed.slurm_env gives tasks srun starts without a launcher
+    port = distributed.slurm_env({**env, "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})["MASTER_PORT"]
     assert port == "20042"
     run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m", "--overwrite"], env=env,
                          capture_output=True, text=True)

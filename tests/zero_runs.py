@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch.distributed as dist  # noqa: E402
 
-from finetune import zero  # noqa: E402
+from finetune import distributed  # noqa: E402
 
 
 def main():
@@ -32,4 +32,4 @@ def main():
 
 
 if __name__ == "__main__":
-    zero.run_distributed(main)
+    distributed.run_distributed(main)
