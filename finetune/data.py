@@ -11,6 +11,7 @@ a block is cut) and each attends only to itself, its positions restarting at 0; 
 run_clm does (documents see each other); `none` is one document per row, padded.
 """
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -471,7 +472,11 @@ def document_masks(same, config, layout):
     would attend further than inference does. Models that mix full and sliding layers take a mask per layer type."""
     config = hardware.text_config(config)  # a multimodal model (Gemma 3 4B and up) keeps its layers' settings there
     window = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+    # a mask per layer type where the model takes one (its config class declares layer_types); Mistral's model takes
+    # one mask, windowed in every layer, even when a checkpoint's config lists layer types (transformers warns of those)
+    declared = any("layer_types" in inspect.get_annotations(k) for k in type(config).__mro__)
+    types = getattr(config, "layer_types", None) if declared else None
+    kinds = set(types or ["sliding_attention" if window else "full_attention"])
     as_layout = lambda m: m if layout != "additive" else torch.zeros(m.shape, device=m.device).masked_fill_(
         ~m, torch.finfo(torch.float32).min)  # eager attention adds the mask to the scores
     masks = {"full_attention": same}

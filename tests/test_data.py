@@ -353,3 +353,24 @@ def test_a_multimodal_models_layers_take_their_windows_from_its_text_config():
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert masks["sliding_attention"][0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     assert torch.equal(masks["full_attention"], same)
+
+
+def test_a_mistral_checkpoint_that_lists_layer_types_gets_one_windowed_mask():
+    """Mistral's model takes one mask and windows every layer, whatever layer types its config lists (some
+    checkpoints list them): a mask per type would crash its first packed batch. The documents' mask of one document
+    a row must give the model's own output, its window applied."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=3,
+                           layer_types=["full_attention", "sliding_attention"], attn_implementation="sdpa")
+    model = MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 8))
+    mask = data.document_masks(torch.ones(1, 1, 8, 8, dtype=torch.bool).tril(), config, "bool")
+    assert torch.is_tensor(mask) and mask[0, 0, 7].int().tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    with torch.no_grad():
+        own, ours = model(ids).logits, model(ids, attention_mask=mask).logits
+        unwindowed = model(ids, attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()).logits
+    torch.testing.assert_close(ours, own, rtol=0, atol=1e-6)
+    assert (unwindowed - own)[0, 3:].abs().max() > 1e-3  # the window matters here
