@@ -199,7 +199,7 @@ def main(argv=None):
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
 
     # -------------------------------------------------------------------------------- sample
-    checkpoints.load_best(model, out, stats, args, total_steps, world_size, say)  # --final best: its checkpoint
+    checkpoints.load_best(model, out, stats, args, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
 

@@ -89,7 +89,11 @@ def publish(root, tag, keep):
     (root / f".tmp-{tag}").rename(root / tag)
     (root / ".latest.tmp").write_text(tag)
     os.replace(root / ".latest.tmp", root / "latest")
-    steps = sorted((d for d in root.glob("step-*") if d.is_dir()), key=lambda d: int(d.name.split("-")[1]))
+    number = lambda d: int(d.name.split("-")[1])  # noqa: E731
+    steps = sorted((d for d in root.glob("step-*") if d.is_dir()), key=number)
+    for later in [d for d in steps if number(d) > number(root / tag)]:  # renamed, never published (killed between
+        shutil.rmtree(later, ignore_errors=True)  # the two): the run resumed before them; they would outrank `latest`
+    steps = [d for d in steps if number(d) <= number(root / tag)]
     best_folder = best(root)
     for old in steps[:-keep] if keep > 0 else []:
         if old != best_folder:  # the lowest eval loss is kept whatever its age
@@ -109,19 +113,27 @@ def best(root):
     return min(scored)[2] if scored else None
 
 
-def load_best(model, out, stats, args, total_steps, world_size, say):
-    """--final best: load the checkpoint with the lowest eval loss (the earliest of equals) before the export, unless
-    it is the model in memory (the last step's). Chosen from the eval history, which every rank holds the same, not
-    from the folder, where rank 0 may still be publishing the last checkpoint. Under DeepSpeed every rank loads its
+def load_best(model, out, stats, args, world_size, say):
+    """--final best: load the checkpoint with the lowest eval loss (the earliest of equals; the one publish keeps)
+    before the export, unless the model in memory, the last step's, is as good. Rank 0 reads the folder and the
+    others take its choice (a shared file system may show them a rename late). Under DeepSpeed every rank loads its
     shards (a collective), as on a resume."""
     stats.final_step = stats.step
-    saved = lambda s: args.save_every and (s % args.save_every == 0 or s == total_steps)
-    scored = [(value, s) for s, value in stats.evals if saved(s) and math.isfinite(value)]
-    if args.final != "best" or not scored or min(scored)[1] == stats.step:
+    if args.final != "best":
         return
-    value, step = min(scored)
+    choice = [None]  # (step, eval loss, the number of ranks that wrote it)
+    folder = best(Path(out) / "checkpoints") if stats.rank == 0 else None
+    if folder is not None:
+        saved = json.loads((folder / "run.json").read_text())
+        step = int(folder.name.split("-")[1])
+        if step != stats.step and saved["eval_loss"] <= dict(stats.evals).get(stats.step, math.inf):
+            choice = [(step, saved["eval_loss"], saved["world_size"])]
+    if stats.ranks > 1:
+        torch.distributed.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return
+    step, value, written_by = choice[0]
     folder = Path(out) / "checkpoints" / f"step-{step}"
-    written_by = json.loads((folder / "run.json").read_text())["world_size"]
     if written_by != world_size:  # a resume on another number of ranks since: its shards do not load as they are
         say(f"--final best: step {step} was written by {written_by} ranks and this run has {world_size}; final/ is "
             f"the last model (zero_to_fp32.py in the checkpoints folder gives step {step}'s weights)")

@@ -78,7 +78,8 @@ class Watchdog:
     def _watch(self):
         while True:
             time.sleep(self.poll)
-            if self.last is not None and not self.paused and time.monotonic() - self.last > self.seconds:
+            last = self.last  # once: stop() may clear it meanwhile
+            if last is not None and not self.paused and time.monotonic() - last > self.seconds:
                 self.report()
                 return
 

@@ -41,7 +41,7 @@ def setup(args, model, world_size, batch_rows):
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     implementation = config._attn_implementation or "sdpa"
-    check(size, world_size, heads, kv_heads, implementation, type(config).__name__)
+    check(size, world_size, heads, kv_heads, implementation, type(config).__name__, getattr(text, "layer_types", None))
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -60,7 +60,12 @@ def setup(args, model, world_size, batch_rows):
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         if kwargs.pop(SHARDED, False):  # a training batch: its shards meet in the all-to-all
             exchanged["yes"] = True
-            return ulysses(module, query, key, value, None, *args, **kwargs)
+            groups = getattr(module, "num_key_value_groups", None)
+            try:
+                return ulysses(module, query, key, value, None, *args, **kwargs)
+            finally:  # Ulysses sets it for its head shards when it repeats key/value heads; whole sequences need it
+                if groups is not None:
+                    module.num_key_value_groups = groups
         return core(module, query, key, value, attention_mask, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[implementation] = attention
@@ -101,7 +106,11 @@ class Groups:
         return 0
 
 
-def check(size, world_size, heads, kv_heads, implementation, model):
+ATTENTION_ONLY = {"full_attention", "sliding_attention", "moe", "dense", "sparse"}  # layer types that mix tokens in
+# attention alone (or not at all): a recurrent, convolution or chunked layer would see only its shard
+
+
+def check(size, world_size, heads, kv_heads, implementation, model, layer_types=None):
     """What sequence parallelism cannot split: one line each."""
     if size < 1:
         fail(f"--sequence-parallel must be 1 or more, got {size}")
@@ -113,6 +122,10 @@ def check(size, world_size, heads, kv_heads, implementation, model):
     if kv_heads % size and size % kv_heads:
         fail(f"--sequence-parallel {size}: the model's {kv_heads} key/value heads do not split over {size} ranks (nor "
              f"{size} over them); use a divisor or a multiple of {kv_heads}")
+    others = sorted(set(layer_types or ()) - ATTENTION_ONLY)
+    if others:
+        fail(f"--sequence-parallel: {model} has {', '.join(others)} layers, which mix tokens outside attention (each "
+             f"rank would see its slice only); train it without --sequence-parallel")
     if implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
         fail(f"--sequence-parallel: {model} runs {implementation} attention, which DeepSpeed's Ulysses cannot take "
              f"over (it needs SDPA or FlashAttention); train it without --sequence-parallel")

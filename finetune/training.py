@@ -257,6 +257,8 @@ class RunStats:
         if self.watchdog:  # their collectives are bounded by --dist-timeout (a checkpoint may take minutes)
             self.watchdog.pause(True)
         yield
+        if self.ranks > 1:  # the ranks leave together: rank 0 publishes a checkpoint alone, and the others' wait for
+            torch.distributed.barrier()  # it must not count as training, nor look like a hang to their watchdogs
         if self.watchdog:
             self.watchdog.pause(False)
         self.last_pause = time.perf_counter() - start

@@ -179,10 +179,18 @@ sleep 30 >/dev/null 2>&1 & wait $!  # (not holding the output pipe open after a 
 exit 1
 """
 FAKE_DEEPSPEED = """#!/bin/bash
-# the deepspeed runner: starts a launch.py (named so in its command line), which starts the rank and passes on its
-# status, and nothing else: SIGUSR1 is not forwarded by either
+# the deepspeed runner over pdsh: pdsh, an ssh session, launch.py, the rank. pdsh's and ssh's command lines hold
+# launch.py's; ssh dies of SIGUSR1 (here: says so); launch.py passes on the rank's status; none forwards SIGUSR1
 port=$(printf '%s\\n' "$@" | grep -- --master_port=)
-bash -c 'bash "$1" & wait $!' deepspeed.launcher.launch "$FAKE_BIN/rank" "$port" & wait $!
+launch="$FAKE_PYTHON -u -m deepspeed.launcher.launch --node_rank=0 $port"
+bash -c 'bash "$FAKE_BIN/ssh" $1 & wait $!' pdsh "$launch" & wait $!
+"""
+FAKE_SSH = """#!/bin/bash
+trap 'echo ssh-killed >> "$FAKE_LOG"; exit 255' USR1
+"$@" & wait $!
+"""
+FAKE_LAUNCH = """import os, subprocess, sys  # DeepSpeed's launch.py: the rank's status passed on; SIGUSR1 not caught
+sys.exit(subprocess.call(["bash", os.path.join(os.environ["FAKE_BIN"], "rank")]))
 """
 FAKE_TORCHRUN = """#!/bin/bash
 # torchrun with --signals-to-handle ...SIGUSR1: passes it to its ranks, then reports their exit as a failure
@@ -213,7 +221,12 @@ def test_the_slurm_script_requeues_a_run_that_stopped_to_be_resumed(tmp_path, la
     be resumed, and only such a run."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    for name, text in (("rank", FAKE_RANK), ("deepspeed", FAKE_DEEPSPEED), ("torchrun", FAKE_TORCHRUN),
+    launch = tmp_path / "py" / "deepspeed" / "launcher"
+    launch.mkdir(parents=True)
+    (launch / "launch.py").write_text(FAKE_LAUNCH)
+    for package in (launch, launch.parent):  # a package of its own, ahead of the real deepspeed
+        (package / "__init__.py").touch()
+    for name, text in (("rank", FAKE_RANK), ("deepspeed", FAKE_DEEPSPEED), ("ssh", FAKE_SSH), ("torchrun", FAKE_TORCHRUN),
                        ("srun", FAKE_SRUN), ("python3", FAKE_RANK),
                        ("scontrol", '#!/bin/sh\nif [ "$1" = show ]; then echo localhost; else echo "$@" >> "$FAKE_LOG"; fi\n')):
         (fake / name).write_text(text)
@@ -226,7 +239,7 @@ def test_the_slurm_script_requeues_a_run_that_stopped_to_be_resumed(tmp_path, la
            "FAKE_LOG": str(tmp_path / "log"), "FAKE_READY": str(tmp_path / "ready"), "SLURM_JOB_NODELIST": "localhost",
            "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "1", "LAUNCHER": launcher,
            "HOSTFILE": str(tmp_path / "hostfile"), "MASTER_PORT": str(free_port()), "FAKE_STATUS": "" if status is None else str(status),
-           "FAKE_FINISH": "1" if finished else ""}
+           "FAKE_FINISH": "1" if finished else "", "FAKE_PYTHON": sys.executable, "PYTHONPATH": str(tmp_path / "py")}
     script = subprocess.Popen(["bash", str(ROOT / "job" / "slurm.sbatch"), f"--output-dir={out}"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if signal_it:
@@ -236,8 +249,9 @@ def test_the_slurm_script_requeues_a_run_that_stopped_to_be_resumed(tmp_path, la
         script.send_signal(signal.SIGUSR1)
     output = script.communicate(timeout=60)[0]
     said = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
-    if signal_it:  # the rank (or torchrun) got it from the batch script
+    if signal_it:  # the rank (or torchrun) got it from the batch script, and no ssh session died of it
         assert "usr1" in said and "SIGUSR1: the ranks stop after the step in flight" in output, output
+        assert "ssh-killed" not in said, said
     assert ("requeue 7" in said) == requeued, (said, output)
     assert script.returncode == (0 if requeued or finished else status), output
 

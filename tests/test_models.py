@@ -42,14 +42,14 @@ FAMILIES = {
 LORA_ZERO3 = "qwen3_moe"  # the family also trained with LoRA under ZeRO-3 (its fused experts adapted)
 
 
-def build(name, tokenizer, folder):
+def build(name, tokenizer, folder, **changes):
     """The family's tiny model with random weights, saved as a pretrained one, with the tests' tokenizer."""
     import transformers
 
     class_name, features, _ = FAMILIES[name]
     ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                eos_token_id=tokenizer.eos_token_id)
-    config = getattr(transformers, class_name)(**{**SIZES, **ids, **features})
+    config = getattr(transformers, class_name)(**{**SIZES, **ids, **features, **changes})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

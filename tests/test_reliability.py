@@ -362,6 +362,42 @@ def test_publish_never_deletes_the_best_checkpoint(tmp_path):
     assert checkpoints.best(tmp_path).name == "step-4"
 
 
+def test_publish_drops_a_later_checkpoint_that_was_never_published(tmp_path):
+    """A kill between the rename and `latest` leaves step-6 unpublished; the run resumes from step 4 and a signal
+    stops it at step 5: step 5 is `latest`, and stays, where step 6 would have outranked it for --keep-checkpoints."""
+    (tmp_path / ".tmp-step-4").mkdir()
+    checkpoints.publish(tmp_path, "step-4", keep=1)
+    (tmp_path / "step-6").mkdir()  # renamed from .tmp-step-6, then killed before `latest` moved to it
+    (tmp_path / ".tmp-step-5").mkdir()
+    checkpoints.publish(tmp_path, "step-5", keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-5"]
+    assert (tmp_path / "latest").read_text() == "step-5"
+
+
+def test_final_best_is_the_checkpoint_publish_kept(tmp_path):
+    """--final best takes the best checkpoint that exists: here one written on a signal at step 3 (no --save-every
+    step) with the lowest eval loss; --keep-checkpoints 1 kept it and deleted step 4, the best of the saved steps."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model, weights_at = torch.nn.Linear(2, 2), {}
+    for step, loss in ((2, 0.5), (3, 0.2), (4, 0.3), (6, 0.4)):
+        weights_at[step] = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        folder = tmp_path / "checkpoints" / f".tmp-step-{step}"
+        folder.mkdir(parents=True)
+        torch.save({"model": weights_at[step]}, folder / "state.pt")
+        training.write_json(folder / "run.json", {"step": step, "eval_loss": loss, "world_size": 1})
+        checkpoints.publish(tmp_path / "checkpoints", f"step-{step}", keep=1)
+    model.load_state_dict(weights_at[6])
+    stats = SimpleNamespace(step=6, evals=[[2, 0.5], [3, 0.2], [4, 0.3], [6, 0.4]], rank=0, ranks=1, final_step=None)
+    said = []
+    checkpoints.load_best(model, tmp_path, stats, SimpleNamespace(final="best"), 1, said.append)
+    assert stats.final_step == 3 and torch.equal(model.weight, weights_at[3]["weight"]), said
+    stats.evals[-1][1] = 0.2  # the last step as good: the model in memory, no load
+    checkpoints.load_best(model, tmp_path, stats, SimpleNamespace(final="best"), 1, said.append)
+    assert stats.final_step == 3  # the earliest of equals
+
+
 def test_a_nan_loss_stops_the_run_at_its_step(tiny, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny["model"], model)

@@ -21,13 +21,14 @@ def chats(tiny, model, out, **more):
 
 
 def test_a_sequence_over_2_ranks_trains_as_one_process_and_resumes_with_another_n(tiny, tmp_path):
-    """A tiny Mistral (its layers attend to their last 16 tokens) on chats packed into blocks of 64, the loss on the
+    """A tiny Mistral (its layers attend to their last 16 tokens, 4 heads share 1 key/value head) on chats packed into blocks of 64, the loss on the
     answers: ZeRO-2 with CPU offload and gradient checkpointing, each sequence over 2 ranks, gives one process's
     losses, gradient norms, eval loss and weights. Resumed from its step-2 checkpoint without sequence parallelism
     on 1 rank (DeepSpeed's universal checkpoint), it ends as the uninterrupted run."""
     from transformers import AutoTokenizer
 
-    model = build("mistral", AutoTokenizer.from_pretrained(tiny["model"]), tmp_path / "mistral")
+    # one key/value head for 4 query heads: Ulysses repeats it for its 2 head shards; the eval then needs the model's
+    model = build("mistral", AutoTokenizer.from_pretrained(tiny["model"]), tmp_path / "mistral", num_key_value_heads=1)
     single.main(chats(tiny, model, tmp_path / "one", **{"--batch-size": 4}) + ["--gradient-checkpointing"])
     out = tmp_path / "two"
     argv = chats(tiny, model, out, **{"--batch-size": 4, "--zero-stage": 2, "--offload": "cpu"})
@@ -107,6 +108,15 @@ def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, mes
     with pytest.raises(SystemExit) as e:
         sp.check(size, world, heads, kv, attention, "Gemma2Config")
     assert str(e.value).startswith("error: ") and message in str(e.value)
+
+
+def test_a_model_whose_layers_mix_tokens_outside_attention_is_one_line():
+    """Recurrent or convolution layers (Qwen3-Next's linear attention, LFM2's convolutions), or Llama 4's chunks,
+    would see each rank's slice alone: refused. Sliding and MoE layers are attention's or mix nothing."""
+    sp.check(2, 2, 4, 2, "sdpa", "Gemma3TextConfig", ["sliding_attention", "full_attention", "moe"])
+    with pytest.raises(SystemExit, match="Qwen3NextConfig has conv, linear_attention layers, which mix tokens "
+                                         "outside attention"):
+        sp.check(2, 2, 4, 2, "sdpa", "Qwen3NextConfig", ["linear_attention", "full_attention", "conv"])
 
 
 def test_a_model_whose_attention_bypasses_transformers_is_one_line():
