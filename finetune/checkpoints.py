@@ -91,9 +91,8 @@ def publish(root, tag, keep):
     os.replace(root / ".latest.tmp", root / "latest")
     number = lambda d: int(d.name.split("-")[1])  # noqa: E731
     steps = sorted((d for d in root.glob("step-*") if d.is_dir()), key=number)
-    for later in [d for d in steps if number(d) > number(root / tag)]:  # renamed, never published (killed between
-        shutil.rmtree(later, ignore_errors=True)  # the two): the run resumed before them; they would outrank `latest`
-    steps = [d for d in steps if number(d) <= number(root / tag)]
+    while number(steps[-1]) > number(root / tag):  # renamed but never published (a kill before `latest` moved): the
+        shutil.rmtree(steps.pop(), ignore_errors=True)  # run resumed from before it; it would outrank `latest`
     best_folder = best(root)
     for old in steps[:-keep] if keep > 0 else []:
         if old != best_folder:  # the lowest eval loss is kept whatever its age

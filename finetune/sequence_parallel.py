@@ -106,8 +106,9 @@ class Groups:
         return 0
 
 
-ATTENTION_ONLY = {"full_attention", "sliding_attention", "moe", "dense", "sparse"}  # layer types that mix tokens in
-# attention alone (or not at all): a recurrent, convolution or chunked layer would see only its shard
+# layer types that mix tokens in attention alone (or not at all): a recurrent, convolution or chunked layer would see
+# only its shard
+ATTENTION_ONLY = {"full_attention", "sliding_attention", "moe", "dense", "sparse"}
 
 
 def check(size, world_size, heads, kv_heads, implementation, model, layer_types=None):
