@@ -1,4 +1,5 @@
-# make demo: train the tiny demo model with both scripts and the classifier (CPU is enough); make test: the suite.
+# make demo: train the tiny demo model with both scripts and the classifier (CPU is enough); make test: the suite;
+# make test-quick: its in-process tier, for the edit loop.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export DS_ACCELERATOR ?= $(if $(shell command -v nvidia-smi),cuda,cpu)
 DEEPSPEED := $(VENV)/bin/deepspeed --log_level error --num_gpus $(DEMO_RANKS)
 
-.PHONY: demo test clean
+.PHONY: demo test test-quick clean
 
 $(VENV)/installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ $(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt
 
 test: $(VENV)/tests-installed
 	$(PY) -m pytest -q tests
+
+test-quick: $(VENV)/tests-installed
+	$(PY) -m pytest -q -m quick tests
 
 clean:
 	rm -rf $(VENV) out .demo

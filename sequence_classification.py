@@ -218,6 +218,8 @@ def main(argv=None):
     rank, local_rank, world_size = distributed.launch_env(world_of_one=bool(args.deepspeed))
     device = hardware.first_device(local_rank)
     say = print if rank == 0 else (lambda *a, **k: None)
+    if args.deepspeed:  # imported before quiet(), which silences the line its CPU all-reduce prints on every rank
+        import deepspeed
     training.quiet(args.verbose, rank)
     args.precision = hardware.choose_precision(args.precision, hardware.facts(device))
     hardware.set_matmul_precision(args.precision)
@@ -235,7 +237,6 @@ def main(argv=None):
     if resume:
         say(f"resuming from {resume.name}")
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
-        import deepspeed
         deepspeed.init_distributed()
     stop = StopOnSignal(checkpoints.Stop())  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import hangs
-from .training import ROOT, fail
+from .base import ROOT, fail
 
 STOPPED = 75  # the exit status of a run a signal stopped, its checkpoint written: resume it (EX_TEMPFAIL)
 

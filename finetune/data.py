@@ -1,5 +1,5 @@
-"""Data for the causal-LM pair: read a dataset, turn its rows into documents with a loss mask, pack them into blocks,
-prepare all that once per node, and assemble batches.
+"""Data for the causal-LM pair: read a dataset, turn its rows into documents with a loss mask, and prepare them once
+per node (packed into blocks by blocks.py, which also assembles the batches).
 
 Three formats, found from the columns (see docs/data.md):
   text                   a `text` column; the loss is on every token
@@ -11,19 +11,14 @@ a block is cut) and each attends only to itself, its positions restarting at 0; 
 run_clm does (documents see each other); `none` is one document per row, padded.
 """
 import hashlib
-import inspect
 import json
 import os
 import shutil
 import time
-from bisect import bisect_left, insort
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from . import hardware
-from .training import fail
+from .base import fail
+from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
@@ -31,8 +26,6 @@ VERSION = 2  # of the prepared files' layout: part of the cache key
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
 BATCH = 10_000
-CHUNK = 4096  # pieces of documents written at a time: at most 48 MB of output pages mapped at once
-LOSS, DOC_START = 1, 2  # bits of the per-token flags: this token is predicted (carries loss); a document starts here
 # For a tokenizer without a chat template: plain-text headers (no new tokens to learn), and the assistant's turns,
 # with the EOS that teaches the model to stop, marked as what the model generates.
 DEFAULT_CHAT_TEMPLATE = (
@@ -194,37 +187,6 @@ def _documents(batch, indices, fmt, tokenizer, train_on_prompt):
 # ----------------------------------------------------------------------------------------------------
 # Documents -> blocks
 
-def best_fit_decreasing(lengths, block_size):
-    """Place documents into blocks, every document whole unless it is longer than a block: longest first, each into
-    the fullest block it fits in. A long document is cut into pieces of a block each, and its last piece is placed
-    like a document. Returns the pieces (document, start, length) in block order, and each piece's block."""
-    counts = -(-lengths // block_size)  # pieces per document
-    doc = np.repeat(np.arange(len(lengths), dtype=np.int32), counts)
-    start = ((np.arange(len(doc)) - np.repeat(np.cumsum(counts) - counts, counts)) * block_size).astype(np.int32)
-    length = np.minimum(lengths[doc] - start, block_size).astype(np.int32)
-    order = np.argsort(-length, kind="stable")  # longest first; stable, so the placement is reproducible
-    block = np.empty(len(doc), dtype=np.int32)
-    free, rooms, nblocks = {}, [], 0  # free: room left -> blocks with that much room; rooms: its keys, sorted
-    for a in range(0, len(order), 65_536):  # a slice at a time: no million-element Python lists
-        for piece, n in zip(order[a:a + 65_536].tolist(), length[order[a:a + 65_536]].tolist()):
-            i = bisect_left(rooms, n)
-            if i < len(rooms):
-                room = rooms[i]
-                b = free[room].pop()
-                if not free[room]:
-                    del free[room], rooms[i]
-            else:
-                room, b, nblocks = block_size, nblocks, nblocks + 1
-            block[piece] = b
-            if room - n:
-                if room - n not in free:
-                    free[room - n] = []
-                    insort(rooms, room - n)
-                free[room - n].append(b)
-    order = np.argsort(block, kind="stable")  # block after block, each block's pieces in document order
-    return doc[order], start[order], length[order], block[order]
-
-
 def _record_batches(dataset, columns):
     """The columns of a dataset, a record batch at a time, read (not memory-mapped) from its cache files where it has
     them. Only the files' names are kept: once the caller drops the dataset, its memory map closes, and the preparing
@@ -250,60 +212,6 @@ def _checked(batches, where):
         if len(errors):
             fail(f"{where}, {errors[0].as_py()}; fix or drop that row")
         yield batch
-
-
-def _write_split(batches, block_size, packing, folder):
-    """The split's blocks, as files: tokens.npy and flags.npy (one entry per token, block after block) and
-    blocks.npy (per block: start, length, predicted tokens, and the sum of its segments' squared lengths, which
-    counts the attention's work). Written in chunks, so memory stays flat in the corpus size."""
-    lengths = []
-    with open(folder / "source-tokens", "wb") as tokens_out, open(folder / "source-loss", "wb") as loss_out:
-        for batch in batches:
-            ids, loss = batch.column(0), batch.column(1)
-            lengths.append(np.diff(np.asarray(ids.offsets)))
-            tokens_out.write(np.asarray(ids.values, dtype=np.int32)[ids.offsets[0].as_py():].tobytes())
-            loss_out.write(np.asarray(loss.values, dtype=np.uint8)[loss.offsets[0].as_py():].tobytes())
-    lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    if packing == "isolated":
-        doc, start, n, block = best_fit_decreasing(lengths, block_size)
-        src, new_segment = offsets[doc] + start, np.ones(len(doc), bool)
-    elif packing == "stream":  # concatenated and cut: each block is one segment, documents see each other
-        src = np.arange(0, offsets[-1], block_size)
-        n, block, new_segment = np.minimum(block_size, offsets[-1] - src), np.arange(len(src)), np.ones(len(src), bool)
-    else:  # one document per row, cut at block_size (the rest is dropped)
-        keep = lengths > 0
-        src, n = offsets[:-1][keep], np.minimum(lengths[keep], block_size)
-        block, new_segment = np.arange(len(src)), np.ones(len(src), bool)
-    nblocks = int(block[-1]) + 1 if len(block) else 0
-    count = lambda index, weights: np.bincount(index, weights, minlength=nblocks).astype(np.int64)
-    table = np.zeros((nblocks, 4), dtype=np.int64)  # start, length, predicted tokens, attended
-    table[:, 1], table[:, 3] = count(block, n), count(block, n.astype(np.int64) ** 2)
-    table[:, 0] = np.cumsum(table[:, 1]) - table[:, 1]
-    out, total = np.cumsum(n, dtype=np.int64) - n, int(n.sum())  # each piece's place in the output
-    for name, size in (("tokens.bin", 4), ("flags.bin", 1)):
-        with open(folder / name, "wb") as f:
-            f.truncate(total * size)
-    # The pieces in source order, a chunk at a time, each written to its place. The files are mapped anew per chunk
-    # and read in order: a random read of a mapped file maps its neighbouring 64 KB too (the kernel's fault-around),
-    # which would map the whole source within a chunk; a write maps its page only.
-    order = np.argsort(src, kind="stable")
-    for a in range(0, len(order), CHUNK):
-        piece = order[a:a + CHUNK]
-        m = n[piece]
-        first = np.cumsum(m) - m  # each piece's first token in this chunk
-        within = np.arange(first[-1] + m[-1]) - np.repeat(first, m)
-        read, write = np.repeat(src[piece], m) + within, np.repeat(out[piece], m) + within
-        flags = np.memmap(folder / "source-loss", np.uint8, "r")[read] & LOSS
-        flags[first[new_segment[piece]]] = DOC_START
-        table[:, 2] += count(np.repeat(block[piece], m), flags & LOSS)
-        np.memmap(folder / "flags.bin", np.uint8, "r+")[write] = flags
-        tokens = np.memmap(folder / "source-tokens", np.int32, "r")[read]
-        np.memmap(folder / "tokens.bin", np.int32, "r+")[write] = tokens
-    np.save(folder / "blocks.npy", table[table[:, 2] > 0])  # a block with nothing to learn (a long prompt's piece)
-    for name in ("source-tokens", "source-loss"):
-        (folder / name).unlink()
-    return int((lengths > block_size).sum()) if packing != "stream" else 0  # documents cut
 
 
 def prepare(args, tokenizer, local_rank=0):
@@ -387,7 +295,7 @@ def _prepare(args, tokenizer, folder, partial):
             datasets.disable_progress_bars()
         batches = _record_batches(docs, ["ids", "loss", "error"])
         del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
-        cut = _write_split(_checked(batches, f"dataset {args.dataset} ({name} split)"), args.block_size, args.packing,
+        cut = write_split(_checked(batches, f"dataset {args.dataset} ({name} split)"), args.block_size, args.packing,
                            partial / name)
         meta[name] = {"rows": len(rows), "cut": cut}
     meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows
@@ -396,101 +304,3 @@ def _prepare(args, tokenizer, folder, partial):
         partial.rename(folder)
     except OSError:  # another node's rank 0 finished first (a shared file system): theirs is the same
         shutil.rmtree(partial, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Blocks -> batches
-
-class Blocks:
-    """A prepared split, memory-mapped. Per block: `lengths` (tokens), `predicted` (tokens that carry loss) and
-    `attended` (the tokens each token attends to, summed: for the FLOPs count), known up front, so the loss
-    normalization and the throughput figures need no device synchronization."""
-
-    def __init__(self, folder, meta):
-        self.tokens = np.memmap(folder / "tokens.bin", np.int32, "r") if (folder / "tokens.bin").stat().st_size else []
-        self.flags = np.memmap(folder / "flags.bin", np.uint8, "r") if (folder / "flags.bin").stat().st_size else []
-        table = np.load(folder / "blocks.npy")
-        self.starts, self.lengths, self.predicted, self.attended = (table[:, i] for i in range(4))
-        self.format, self.examples, self.cut = meta["format"], meta.get("examples", []), meta[folder.name]["cut"]
-        if len(self.starts) == 0 or self.predicted.sum() == 0:
-            cut = f"; {self.cut} documents were cut at the block size: raise --block-size" if self.cut else ""
-            fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked everywhere{cut})")
-
-    def __len__(self):
-        return len(self.starts)
-
-    def describe(self, packing):
-        cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
-        return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
-
-    def batch(self, indices, pad_id, device, config, carry_loss=True, sequence_shard=None):
-        """The model's inputs and the loss targets for these blocks. Labels are shifted here, on the host (label t
-        is token t+1, or -100), so the loss never copies the logits to shift them; with them comes the flat index
-        of the positions that carry loss, so the loss computes logits for those only. Each document attends only to
-        itself: a block-diagonal causal mask (unless a row is one whole segment), or, with FlashAttention, the rows
-        laid end to end without padding and cut at the documents' boundaries (varlen). Padding attends to itself
-        only and carries no loss. `sequence_shard`: (this rank's place, ranks) in a sequence-parallel group: its
-        slice of the tokens and targets (sequence_parallel.py), no mask (the attention builds it)."""
-        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-        lengths = self.lengths[indices]
-        width = int(lengths.max())
-        cols = np.arange(width)
-        real = cols[None, :] < lengths[:, None]
-        where = np.where(real, self.starts[indices][:, None] + cols[None, :], 0)
-        ids = np.where(real, self.tokens[where], pad_id).astype(np.int64)
-        flags = np.where(real, self.flags[where], DOC_START)  # each pad token is a segment of its own
-        starts = (flags & DOC_START) > 0
-        positions = cols[None, :] - np.maximum.accumulate(np.where(starts, cols[None, :], 0), axis=1)
-        labels = np.full_like(ids, -100)
-        labels[:, :-1] = np.where(flags[:, 1:] & LOSS & carry_loss, ids[:, 1:], -100)
-        layout = attention_layout(getattr(config, "_attn_implementation", None))
-        if layout == "varlen":  # one row of the real tokens; FlashAttention takes the segments' boundaries
-            ids, positions, labels, starts = (x[real][None] for x in (ids, positions, labels, starts))
-            bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
-        if sequence_shard and sequence_shard[1] > 1:
-            from . import sequence_parallel
-            return sequence_parallel.shard(ids, positions, labels, *sequence_shard, device)
-        segments = np.cumsum(starts, axis=-1)
-        index = torch.from_numpy(np.flatnonzero(labels != -100)).to(device)
-        ids, positions, labels, segments = torch.from_numpy(np.stack([ids, positions, labels, segments])).to(device)
-        inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
-        if layout == "varlen":
-            cu = torch.from_numpy(bounds).to(device)
-            longest = int(np.diff(bounds).max())
-            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        elif starts[:, 1:].any():  # one causal segment per row and no padding: the model's own mask
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            inputs["attention_mask"] = document_masks(
-                (segments[:, None, :, None] == segments[:, None, None, :]) & causal, config, layout)
-        return inputs, (labels, index)
-
-
-def document_masks(same, config, layout):
-    """The 4-D mask of each document attending to itself (`same`), with the model's sliding window where its layers
-    have one: a 4-D mask passes transformers' mask building as it is, so a layer that attends only to its last
-    `sliding_window` tokens (Mistral's, Gemma 2/3's local layers, gpt-oss's) must get that window here, or training
-    would attend further than inference does. Models that mix full and sliding layers take a mask per layer type."""
-    config = hardware.text_config(config)  # a multimodal model (Gemma 3 4B and up) keeps its layers' settings there
-    window = getattr(config, "sliding_window", None)
-    # a mask per layer type where the model takes one (its config class declares layer_types); Mistral's model takes
-    # one mask, windowed in every layer, even when a checkpoint's config lists layer types (transformers warns of those)
-    declared = any("layer_types" in inspect.get_annotations(k) for k in type(config).__mro__)
-    types = getattr(config, "layer_types", None) if declared else None
-    kinds = set(types or ["sliding_attention" if window else "full_attention"])
-    as_layout = lambda m: m if layout != "additive" else torch.zeros(m.shape, device=m.device).masked_fill_(
-        ~m, torch.finfo(torch.float32).min)  # eager attention adds the mask to the scores
-    masks = {"full_attention": same}
-    if window and "sliding_attention" in kinds:
-        i = torch.arange(same.shape[-1], device=same.device)
-        masks["sliding_attention"] = same & (i[:, None] - i[None, :] < window)  # the last `window` tokens, itself in
-    masks = {kind: as_layout(masks.get(kind, same)) for kind in kinds}
-    return masks.popitem()[1] if len(masks) == 1 else masks
-
-
-def attention_layout(implementation):
-    """How a batch tells the model where documents end, for its attention implementation: SDPA takes a boolean 4D
-    mask (True: attend), eager attention an additive one (a 4D mask passes transformers' mask building as it is),
-    FlashAttention no mask but the documents' boundaries in one padding-free row (its varlen kernel)."""
-    if implementation and "flash" in implementation:  # flash_attention_2/3, and the hub's kernels of it
-        return "varlen"
-    return "additive" if implementation == "eager" else "bool"

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoints, hardware
-from .training import fail
+from .base import fail
 
 
 def launch_env(environ=None, world_of_one=True):

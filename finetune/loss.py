@@ -117,6 +117,6 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def token_loss_sum(model, inputs, labels):
     """The summed loss of a batch: `labels` is (shifted labels with -100, flat index of the positions that carry
-    loss), as data.Blocks.batch makes them. The scripts divide it by the global batch's count of such tokens, so
+    loss), as blocks.Blocks.batch makes them. The scripts divide it by the global batch's count of such tokens, so
     every token weighs the same however the batch is split over micro-steps and ranks."""
     return model(**inputs, loss_targets=labels)

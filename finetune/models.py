@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from . import hardware, loss
-from .training import fail
+from .base import fail
 
 
 # The architectures (config.model_type) the tests train under ZeRO-3 on 2 ranks against one process (tests/

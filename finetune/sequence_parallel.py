@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from . import hardware
-from .training import fail
+from .base import fail
 
 SHARDED = "sequence_sharded"  # the batch key that marks a training batch cut into sequence shards
 

@@ -6,6 +6,8 @@ import os
 import secrets
 from pathlib import Path
 
+from .base import fail
+
 TRACKERS = ("none", "tensorboard", "wandb")
 
 
@@ -84,8 +86,6 @@ class Trackers:
 
 def check_wandb(environ):
     """W&B is optional: a missing package or login is one line at the start, not a traceback at the first log."""
-    from .training import fail
-
     try:
         import wandb
     except ImportError:

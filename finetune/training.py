@@ -2,7 +2,6 @@
 progress and throughput, evaluation, results (the run folder and its checkpoints: checkpoints.py)."""
 import contextlib
 import io
-import json
 import logging
 import math
 import os
@@ -14,19 +13,14 @@ from pathlib import Path
 
 import torch
 
-from . import hangs, hardware, loss, tracking
+from . import hangs, hardware, loss, models, tracking
+from .base import ROOT, fail, write_json  # noqa: F401 (the scripts' training.fail, training.write_json)
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts, the configs, .demo/
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 # fp16's dynamic loss scale, the same as the ds_config files' "fp16" block: start at 2^16, halve at an overflow (and
 # skip that step), double after 1001 steps without one (DeepSpeed's loss_scale_window 1000 counts one step more than
 # torch's growth_interval). DeepSpeed's hysteresis is 1 there: torch has none.
 FP16_SCALER = {"init_scale": 2.0**16, "growth_interval": 1001}
-
-
-def fail(message):
-    """Stop with one line that says what is wrong and what to do (no traceback: it is not our bug)."""
-    raise SystemExit(f"error: {message}")
 
 
 def quiet(verbose, rank):
@@ -153,13 +147,11 @@ class RunStats:
                                            self.ranks, dist.distributed_c10d._get_default_store())
 
     def describe(self):
-        from .models import notes  # (models imports this module)
-
         share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
         active = self.matmul_params < hardware.matmul_params(self.model, all_experts=True)
         share += f", {self.matmul_params / 1e6:.2f}M active per token" if active else ""
         peak = f" | MFU against {self.peak[1]}" if self.peak else ""
-        return " | ".join([f"{self.total / 1e6:.1f}M parameters, {share}{peak}", *notes(self.model)])
+        return " | ".join([f"{self.total / 1e6:.1f}M parameters, {share}{peak}", *models.notes(self.model)])
 
     def end_step(self, step_loss, blocks, indices, grad_norm):
         """grad_norm: the step's gradient norm before clipping (a tensor or a float; read at the next log line)."""
@@ -372,12 +364,6 @@ def evaluate(model, blocks, args, pad_id, device, config, autocast, rank=0, worl
 
 def perplexity(value):
     return math.exp(value) if value < 700 else float("inf")  # exp overflows a float past ~709
-
-
-def write_json(path, data):
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
 
 
 def plot_losses(losses, path):

@@ -14,7 +14,8 @@ import torch
 
 from . import checkpoints, hardware, training
 from . import sequence_parallel as finetune_sp
-from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER, fail
+from .base import fail
+from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER
 
 DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
 
@@ -358,9 +359,9 @@ def mend(engine):
 def sequence_parallel(args, model):
     """--sequence-parallel's process groups and attention (sequence_parallel.py): the mpu for deepspeed.initialize,
     or None without it."""
-    from . import data
+    from . import blocks
 
-    rows = 1 if data.attention_layout(model.config._attn_implementation) == "varlen" else args.batch_size
+    rows = 1 if blocks.attention_layout(model.config._attn_implementation) == "varlen" else args.batch_size
     return finetune_sp.setup(args, model, torch.distributed.get_world_size(), rows)
 
 

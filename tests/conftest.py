@@ -26,6 +26,11 @@ os.environ["DATA_CACHE"] = tempfile.mkdtemp(prefix="data-cache-")
 from finetune import demo  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the in-process tier, `make test-quick`: formats, masks, packing, the loss, "
+                                       "the planner, GPU decisions fed a GPU's facts, bad input, configs")
+
+
 def load_script(name):
     """The scripts have dashes in their names: import them from their paths to call main(argv)."""
     spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), ROOT / name)
@@ -59,16 +64,65 @@ def base_args(tiny, out, **overrides):
     return [f"{k}={v}" for k, v in args.items() if v is not None]
 
 
+def long_run(tiny, out, *extra):
+    """60 steps of ZeRO-2 on 2 ranks, a checkpoint every 5: long enough to be stopped in many ways."""
+    return base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2, "--max-steps": 60,
+                                   "--save-every": 5, "--log-every": 5}) + ["--deepspeed", *extra]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tiny, tmp_path_factory):
+    """The long run, whole: what a stopped and resumed run must end as, and checkpoints to resume from."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    check(launch("forked", "zero-optimization.py", long_run(tiny, whole)))
+    return whole
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+class Preimported:
+    """tests/preimported.py, started once per session: it forks the ranks of each launch from a parent that has
+    imported the libraries (7 s a process on 2 cores), for the tests whose launcher is not what they check."""
+    server = None
+
+    @classmethod
+    def run(cls, script, argv, nproc, env, timeout, torchrun):
+        if cls.server is None or cls.server.poll() is not None:
+            cls.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "preimported.py")], cwd=ROOT,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+            request = {"script": script, "argv": argv, "nproc": nproc, "env": env, "cwd": str(ROOT),
+                       "timeout": timeout, "logs": logs, "torchrun": torchrun}
+            cls.server.stdin.write(json.dumps(request) + "\n")
+            cls.server.stdin.flush()
+            line = cls.server.stdout.readline()
+            if not line:
+                raise RuntimeError(f"tests/preimported.py exited ({cls.server.wait()}) on {script} {argv}")
+            reply = json.loads(line)
+            if reply["timed_out"]:
+                raise subprocess.TimeoutExpired(script, timeout)
+            out, err = ("".join(Path(logs, f"rank-{r}.{kind}").read_text() for r in range(nproc))
+                        for kind in ("out", "err"))
+        return subprocess.CompletedProcess([script, *argv], reply["returncode"], out, err)
+
+
 def launch(launcher, script, argv, nproc=2, timeout=600, env=None):
-    """Run a script under deepspeed, torchrun or plain python; return the CompletedProcess."""
+    """Run a script under deepspeed, torchrun or plain python; or its ranks forked from a pre-imported parent where
+    the launcher is not what a test checks: "forked" (the variables torchrun sets) or "forked-python" (one process
+    without them, a world of one). Return the CompletedProcess."""
     bin_dir = Path(sys.executable).parent
     port = str(free_port())
+    if launcher in ("forked", "forked-python"):
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": port, **(env or {})}
+        torchrun = launcher == "forked"
+        result = Preimported.run(script, argv, nproc if torchrun else 1, full_env, timeout, torchrun)
+        result.port = port
+        return result
     if launcher == "deepspeed":
         cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, script]
     elif launcher == "torchrun":
@@ -129,18 +183,18 @@ def independent_loss(model_folder, argv, split, indices=None, **load):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from finetune import data, models
+    from finetune import blocks, data, models
     args = load_script("single-gpu.py").parse_args(argv)
-    blocks = data.prepare(args, models.load_tokenizer(args.model))[0 if split == "train" else 1]
+    split_blocks = data.prepare(args, models.load_tokenizer(args.model))[0 if split == "train" else 1]
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64, **load).eval()
     total, count = 0.0, 0
-    for i in range(len(blocks)) if indices is None else indices:
-        start, length = int(blocks.starts[i]), int(blocks.lengths[i])
-        ids = torch.from_numpy(np.asarray(blocks.tokens[start:start + length], dtype=np.int64))
-        flags = np.asarray(blocks.flags[start:start + length])
-        bounds = [*np.flatnonzero(flags & data.DOC_START), length]
+    for i in range(len(split_blocks)) if indices is None else indices:
+        start, length = int(split_blocks.starts[i]), int(split_blocks.lengths[i])
+        ids = torch.from_numpy(np.asarray(split_blocks.tokens[start:start + length], dtype=np.int64))
+        flags = np.asarray(split_blocks.flags[start:start + length])
+        bounds = [*np.flatnonzero(flags & blocks.DOC_START), length]
         for a, b in zip(bounds[:-1], bounds[1:]):
-            carries = torch.from_numpy((flags[a + 1:b] & data.LOSS) > 0)  # token t+1, predicted at position t
+            carries = torch.from_numpy((flags[a + 1:b] & blocks.LOSS) > 0)  # token t+1, predicted at position t
             with torch.no_grad():
                 logits = model(ids[None, a:b]).logits[0, :-1]
             total += F.cross_entropy(logits[carries], ids[a + 1:b][carries], reduction="sum").item()

@@ -1,4 +1,5 @@
-"""Every lesson in basics/ under torchrun on CPU with 2 and 3 processes (an even world and an odd one, which splits\nunevenly): exit code, and the values it prints."""
+"""Every lesson in basics/ on CPU with 2 processes under torchrun, as its README runs it, and 3 (an odd world, which
+splits unevenly) forked with torchrun's variables (conftest.launch): exit code, and the values it prints."""
 import re
 
 import pytest
@@ -18,7 +19,7 @@ def checks(stdout, rank):
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson(lesson, n):
-    run = launch("torchrun", f"basics/{lesson}.py", [], nproc=n, timeout=300)
+    run = launch("torchrun" if n == 2 else "forked", f"basics/{lesson}.py", [], nproc=n, timeout=300)
     out = run.stdout
     assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
     per_rank = [checks(out, r) for r in range(n)]
@@ -54,5 +55,5 @@ def test_lesson(lesson, n):
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_one_process_is_told_to_start_more(lesson):
-    run = launch("torchrun", f"basics/{lesson}.py", [], nproc=1)
+    run = launch("forked", f"basics/{lesson}.py", [], nproc=1)
     assert run.returncode == 0 and "this lesson needs at least 2 processes" in run.stdout

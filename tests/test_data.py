@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
                           OPTConfig)
 
-from finetune import data, loss, training
+from finetune import blocks, data, loss, training
 
 
 def data_args(dataset, **kw):
@@ -30,7 +30,7 @@ def documents_of(blocks, i):
     """The segments of block i, as token lists (a segment starts at a DOC_START flag)."""
     s, n = blocks.starts[i], blocks.lengths[i]
     tokens, flags = blocks.tokens[s:s + n], blocks.flags[s:s + n]
-    starts = list(np.flatnonzero(flags & data.DOC_START)) + [n]
+    starts = list(np.flatnonzero(flags & blocks.DOC_START)) + [n]
     return [tokens[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
 
 
@@ -41,7 +41,7 @@ def documents(blocks):
 def test_best_fit_decreasing_keeps_documents_whole():
     rng = np.random.default_rng(0)
     lengths = np.concatenate([rng.integers(1, 40, 300), [64, 100, 33]])  # block 32: three longer documents
-    doc, start, n, block = data.best_fit_decreasing(lengths, 32)
+    doc, start, n, block = blocks.best_fit_decreasing(lengths, 32)
     fill = np.bincount(block, weights=n)
     assert fill.max() <= 32 and n.sum() == lengths.sum()
     for d in range(len(lengths)):
@@ -64,7 +64,7 @@ def test_every_token_in_its_place(tiny, tokenizer, packing, tmp_path, monkeypatc
     if packing == "stream":  # every token, in order, cut every 32 tokens; a segment per block
         stream = np.concatenate([train.tokens[s:s + n] for s, n in zip(train.starts, train.lengths)])
         assert stream.tolist() == [t for d in docs for t in d] and (train.lengths[:-1] == 32).all()
-        assert all(train.flags[s] == data.DOC_START for s in train.starts)
+        assert all(train.flags[s] == blocks.DOC_START for s in train.starts)
     elif packing == "isolated":  # each document whole, or cut into pieces of 32, each piece a segment
         pieces = [tuple(d[i:i + 32]) for d in docs for i in range(0, len(d), 32)]
         assert sorted(map(tuple, documents(train))) == sorted(pieces) and (train.lengths <= 32).all()
@@ -202,12 +202,12 @@ def test_messages_put_the_loss_on_the_assistant(tmp_path, tiny, template):
     path = write_jsonl(tmp_path / "chats.jsonl", chats)
     train, evals = data.prepare(data_args(path, block_size=128), tokenizer)
     assert train.format == "messages"
-    for blocks in (train, evals):
-        for s, n in zip(blocks.starts, blocks.lengths):
-            tokens, flags = blocks.tokens[s:s + n], blocks.flags[s:s + n]
-            starts = list(np.flatnonzero(flags & data.DOC_START)) + [n]
+    for split in (train, evals):
+        for s, n in zip(split.starts, split.lengths):
+            tokens, flags = split.tokens[s:s + n], split.flags[s:s + n]
+            starts = list(np.flatnonzero(flags & blocks.DOC_START)) + [n]
             assert len(starts) == 2  # one conversation per block here (each is more than half a block)
-            predicted = tokenizer.decode(tokens[(flags & data.LOSS) > 0])
+            predicted = tokenizer.decode(tokens[(flags & blocks.LOSS) > 0])
             # the assistant's two answers and their end markers: nothing of the system, user or headers
             assert predicted.replace(" ", "").startswith("Good") and "Slow." in predicted
             assert "How" not in predicted and "service" not in predicted and "brief" not in predicted
@@ -349,7 +349,7 @@ def test_a_multimodal_models_layers_take_their_windows_from_its_text_config():
                                            sliding_window=2, layer_types=["sliding_attention", "full_attention"]))
     assert getattr(config, "sliding_window", None) is None  # not at the top
     same = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
-    masks = data.document_masks(same, config, "bool")
+    masks = blocks.document_masks(same, config, "bool")
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert masks["sliding_attention"][0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
     assert torch.equal(masks["full_attention"], same)
@@ -367,7 +367,7 @@ def test_a_mistral_checkpoint_that_lists_layer_types_gets_one_windowed_mask():
                            layer_types=["full_attention", "sliding_attention"], attn_implementation="sdpa")
     model = MistralForCausalLM(config).eval()
     ids = torch.randint(0, 64, (1, 8))
-    mask = data.document_masks(torch.ones(1, 1, 8, 8, dtype=torch.bool).tril(), config, "bool")
+    mask = blocks.document_masks(torch.ones(1, 1, 8, 8, dtype=torch.bool).tril(), config, "bool")
     assert torch.is_tensor(mask) and mask[0, 0, 7].int().tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
     with torch.no_grad():
         own, ours = model(ids).logits, model(ids, attention_mask=mask).logits

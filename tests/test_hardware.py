@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import checkpoints, data, distributed, hardware, zero
+from finetune import blocks, checkpoints, data, distributed, hardware, zero
 from finetune.hardware import Facts
 
 H100 = Facts("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 8)
@@ -97,8 +97,8 @@ def test_attention_implementation_for_the_hardware():
     assert hardware.attention(H100, "fp32", True, True) is None  # FlashAttention runs in 16 bits only
     assert hardware.attention(V100, "fp16", True, True) is None  # FlashAttention-2 needs Ampere
     assert hardware.attention(H100, "bf16", False, True) is None and hardware.attention(H100, "bf16", True, False) is None
-    assert data.attention_layout("flash_attention_2") == "varlen" and data.attention_layout("sdpa") == "bool"
-    assert data.attention_layout("eager") == "additive" and data.attention_layout(None) == "bool"
+    assert blocks.attention_layout("flash_attention_2") == "varlen" and blocks.attention_layout("sdpa") == "bool"
+    assert blocks.attention_layout("eager") == "additive" and blocks.attention_layout(None) == "bool"
 
 
 def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
@@ -221,7 +221,7 @@ def test_a_model_that_names_its_own_flash_kernels_does_not_get_flash_attention_2
     sinks = ["kernels-community/vllm-flash-attn3"]
     assert hardware.attention(H100, "bf16", True, True, sinks) is None
     assert hardware.attention(H100, "bf16", True, True, ["flash_attention_2", *sinks]) == "flash_attention_2"
-    assert data.attention_layout("kernels-community/vllm-flash-attn3") == "varlen"  # a flash kernel's layout
+    assert blocks.attention_layout("kernels-community/vllm-flash-attn3") == "varlen"  # a flash kernel's layout
 
 
 def test_mixtures_of_experts_are_zero3_leaf_modules_found_by_their_structure(tmp_path):

@@ -55,21 +55,22 @@ def test_only_the_adapters_train_and_the_exports_load(tiny, reference):
     assert loaded.model.decoder.layers[0].fc1.weight.shape == original["model.decoder.layers.0.fc1.weight"].shape
 
 
-@pytest.mark.parametrize("stage, offload, resume_on", [(0, "none", None), (1, "cpu", None), (2, "none", "python"),
-                                                      (3, "none", "deepspeed")])
+@pytest.mark.parametrize("stage, offload, resume_on", [(0, "none", None), (1, "cpu", None), (2, "none", "one rank"),
+                                                      (3, "none", "two ranks")])
 def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, offload, resume_on):
     """Every stage, offload (at stage 1), and resume: at stage 2 on one rank (another number of ranks), at stage 3
     (with gradient checkpointing) on the same two."""
     out = tmp_path / "run"
     argv = lora_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--offload": offload})
     argv += ["--deepspeed"] + (["--gradient-checkpointing"] if stage == 3 else [])
-    check(launch("deepspeed", "zero-optimization.py", argv))
+    check(launch("forked", "zero-optimization.py", argv))
     ref = results(reference)
     for resumed in (False, True) if resume_on else (False,):
         if resumed:
             crash_after_first_checkpoint(out)
-            one_rank = ["--batch-size", "4"] if resume_on == "python" else []  # the same global batch on one rank
-            check(launch(resume_on, "zero-optimization.py", argv + one_rank + ["--resume"]))
+            one_rank = ["--batch-size", "4"] if resume_on == "one rank" else []  # the same global batch on one rank
+            check(launch("forked-python" if resume_on == "one rank" else "forked", "zero-optimization.py",
+                         argv + one_rank + ["--resume"]))
             assert_resumed(out)
         r = results(out)
         assert r["ran"] == {"weights_dtype": "float32", "gradient_checkpointing": stage == 3, "zero_stage": stage,
@@ -104,7 +105,7 @@ def test_lora_under_zero3_trains_in_the_runs_16_bits(tiny, tmp_path, reference):
     parameter: unless they are cast first, a bf16 run trains them in fp32 (and fp16 without loss scaling)."""
     out = tmp_path / "run"
     argv = lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 3, "--precision": "bf16"})
-    check(launch("python", "zero-optimization.py", argv + ["--deepspeed"]))
+    check(launch("forked-python", "zero-optimization.py", argv + ["--deepspeed"]))
     r = results(out)
     assert r["ran"] == {"weights_dtype": "bfloat16", "gradient_checkpointing": False, "zero_stage": 3,
                         "engine_precision": "bf16", "optimizer": "AdamW on cpu"}

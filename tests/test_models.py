@@ -83,7 +83,7 @@ def matrix(tiny, tmp_path_factory):
         runs[name] = {"model": model, "one": root / name / "one", "two": root / name / "two",
                       "argv": flags(tiny, model, root / name / "one", **{"--batch-size": 4})}
     (root / "runs.json").write_text(json.dumps(zero_argvs))
-    run = check(launch("deepspeed", "tests/zero_runs.py", [str(root / "runs.json")], timeout=900))
+    run = check(launch("forked", "tests/zero_runs.py", [str(root / "runs.json")], timeout=900))
     for name, r in runs.items():
         r["stdout"] = run.stdout
     return runs

@@ -135,7 +135,7 @@ def counted(tmp_path_factory):
         AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
         models.append(str(root / name))
     rows = []
-    for launcher, ranks in (("deepspeed", 2), ("python", 1)):
+    for launcher, ranks in (("forked", 2), ("forked-python", 1)):
         out = root / f"held-{ranks}.jsonl"
         check(launch(launcher, "tests/memory_probe.py", ["--models", *models, "--out", str(out)], nproc=ranks))
         rows += [json.loads(line) for line in out.read_text().splitlines()]

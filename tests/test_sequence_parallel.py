@@ -32,7 +32,7 @@ def test_a_sequence_over_2_ranks_trains_as_one_process_and_resumes_with_another_
     single.main(chats(tiny, model, tmp_path / "one", **{"--batch-size": 4}) + ["--gradient-checkpointing"])
     out = tmp_path / "two"
     argv = chats(tiny, model, out, **{"--batch-size": 4, "--zero-stage": 2, "--offload": "cpu"})
-    check(launch("deepspeed", ZERO, argv + ["--sequence-parallel", "2", "--gradient-checkpointing", "--deepspeed"]))
+    check(launch("forked", ZERO, argv + ["--sequence-parallel", "2", "--gradient-checkpointing", "--deepspeed"]))
     one, two = results(tmp_path / "one"), results(out)
     assert two["world_size"] == 2 and two["ran"]["optimizer"] == "DeepSpeedCPUAdam on cpu"
     assert_close_losses(one["losses"], two["losses"])
@@ -42,7 +42,7 @@ def test_a_sequence_over_2_ranks_trains_as_one_process_and_resumes_with_another_
     whole = weights(out / "final")
     assert_same_weights(weights(tmp_path / "one" / "final"), whole, atol=1e-4)
     crash_after_first_checkpoint(out)
-    check(launch("python", ZERO, argv + ["--resume", "--deepspeed"]))  # 1 rank, 1 replica: the same global batch
+    check(launch("forked-python", ZERO, argv + ["--resume", "--deepspeed"]))  # 1 rank, 1 replica: the same global batch
     assert_resumed(out)
     assert_close_losses(two["losses"], results(out)["losses"])
     assert_same_weights(whole, weights(out / "final"), atol=1e-4)
@@ -55,7 +55,7 @@ def test_2_replicas_of_2_ranks_with_zero3_and_lora_train_as_one_process(tiny, tm
     lora = {"--lora-rank": 4, "--model": tiny["model"]}
     single.main(chats(tiny, tiny["model"], tmp_path / "one", **{"--batch-size": 4, **lora}))
     argv = chats(tiny, tiny["model"], tmp_path / "four", **{"--batch-size": 2, "--zero-stage": 3, **lora})
-    check(launch("torchrun", ZERO, argv + ["--sequence-parallel", "2", "--deepspeed"], nproc=4))
+    check(launch("forked", ZERO, argv + ["--sequence-parallel", "2", "--deepspeed"], nproc=4))
     one, four = results(tmp_path / "one"), results(tmp_path / "four")
     assert four["world_size"] == 4 and four["global_batch_size"] == 8 and four["ran"]["zero_stage"] == 3
     assert_close_losses(one["losses"], four["losses"])

@@ -1,5 +1,6 @@
-"""zero-optimization.py under the real launchers on 2 CPU processes (gloo): the same losses and weights as
-single-gpu.py on the same global batches, for every ZeRO stage and offload; sharding, export, resume, errors."""
+"""zero-optimization.py on 2 CPU processes (gloo): the same losses and weights as single-gpu.py on the same global
+batches, for every ZeRO stage and offload; sharding, export, resume, errors. The ranks are forked from a pre-imported
+parent (conftest.launch) but for the demo, under the deepspeed launcher; the launchers themselves: test_reliability."""
 import json
 import math
 import shutil
@@ -50,11 +51,8 @@ def reference(tiny, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("launcher, stage, offload", [
-    ("deepspeed", 0, "none"), ("torchrun", 1, "none"), ("deepspeed", 2, "none"), ("deepspeed", 3, "none"),
-    ("deepspeed", 2, "cpu"), ("torchrun", 3, "cpu"),
-])
-def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage, offload):
+@pytest.mark.parametrize("stage, offload", [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu")])
+def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
     """Folded in, what must not change the numbers: stream packing (ZeRO-0), one padded document per row (--packing
     none) with the plain loss (--loss-chunk 0) at ZeRO-1, an eval after every step (ZeRO-2), full fine-tuning with
     gradient checkpointing (ZeRO-3)."""
@@ -69,13 +67,13 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, launcher, stage,
     env = {}
     if offload == "none" and stage in (2, 3):  # a machine that never built an op: DeepSpeed compiles no optimizer
         env["TORCH_EXTENSIONS_DIR"] = str(fresh_extensions(tmp_path))
-    run = check(launch(launcher, ZERO, argv + ["--deepspeed"], env=env))
+    run = check(launch("forked", ZERO, argv + ["--deepspeed"], env=env))
     if env:
         built = {p.name for p in Path(env["TORCH_EXTENSIONS_DIR"]).iterdir()}
         assert built <= {"deepspeed_shm_comm"}, built  # CPU runs only: DeepSpeed's CPU all-reduce, not an optimizer
     ref, ref_weights = reference(**same)
-    if launcher == "deepspeed":  # each rank removed DeepSpeed's shared-memory buffer (it never does)
-        assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{run.port}_*"))
+    # each rank removed DeepSpeed's shared-memory buffer (it never does)
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{run.port}_*"))
     r = results(out)
     assert r["world_size"] == 2 and r["global_batch_size"] == 8
     assert_close_losses(ref["losses"], r["losses"])
@@ -123,7 +121,7 @@ def test_bf16_under_zero_tracks_the_single_process_bf16_run(tiny, tmp_path, refe
     single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "bf16"}))
     argv = base_args(tiny, tmp_path / "two", **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage,
                                                 "--precision": "bf16"})
-    check(launch("deepspeed", ZERO, argv + ["--deepspeed"]))
+    check(launch("forked", ZERO, argv + ["--deepspeed"]))
     one, two, fp32 = results(tmp_path / "one"), results(tmp_path / "two"), reference()[0]
     assert two["ran"]["engine_precision"] == "bf16" and two["ran"]["weights_dtype"] == "bfloat16"
     assert two["ran"]["zero_stage"] == stage
@@ -142,7 +140,7 @@ def cpu_fp16(tiny, tmp_path, name, ranks, stage, scale_power=16, growth=1001, **
     (tmp_path / "ds.json").write_text(json.dumps(config))
     argv = base_args(tiny, tmp_path / name, **{"--batch-size": 4 // ranks, "--grad-accum": 2, "--zero-stage": stage,
                                                "--precision": "fp16", **flags})
-    check(launch("torchrun" if ranks > 1 else "python", "tests/cpu_fp16.py",
+    check(launch("forked" if ranks > 1 else "forked-python", "tests/cpu_fp16.py",
                  [ZERO] + argv + [f"--deepspeed={tmp_path / 'ds.json'}"], nproc=ranks,
                  env={"FP16_INIT_SCALE": str(2.0 ** scale_power), "FP16_GROWTH_INTERVAL": str(growth)}))
     r = results(tmp_path / name)
@@ -195,10 +193,10 @@ def test_zero3_resume_continues_with_identical_losses(tiny, tmp_path):
     out, model = tmp_path / "run", dropout_model(tiny, tmp_path / "dropout-model")
     argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 3, "--model": str(model)})
     argv += ["--deepspeed"]
-    check(launch("deepspeed", ZERO, argv + ["--eval-every=1"]))
+    check(launch("forked", ZERO, argv + ["--eval-every=1"]))
     full, full_weights = results(out), weights(out / "final")
     crash_after_first_checkpoint(out)
-    check(launch("deepspeed", ZERO, argv + ["--resume"]))
+    check(launch("forked", ZERO, argv + ["--resume"]))
     assert_resumed(out)
     resumed = results(out)
     assert [s for s, _ in full["evals"]] == [1, 2, 3, 4] and [s for s, _ in resumed["evals"]] == [1, 2, 4]
@@ -218,7 +216,7 @@ def test_compile_changes_the_kernels_not_the_run(tiny, tmp_path, reference, scri
         argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage}) + ["--deepspeed"]
     else:
         argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
-    check(launch("deepspeed" if script == ZERO else "python", script, argv + ["--compile"],
+    check(launch("forked" if script == ZERO else "forked-python", script, argv + ["--compile"],
                  env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
     assert len(list(cache.rglob("*.py"))) > 0  # inductor generated the kernels: the model did run compiled
     assert_close_losses(reference()[0]["losses"], results(out)["losses"])
@@ -232,7 +230,7 @@ def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
     best = {"--lr": 1.0, "--eval-every": 1, "--save-every": 1, "--keep-checkpoints": 1, "--max-train-samples": 8,
             "--max-steps": 6, "--final": "best"}
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 2, **best})
-    check(launch("python", ZERO, argv))
+    check(launch("forked-python", ZERO, argv))
     r, (ref, ref_weights) = results(out), reference(**best)
     assert r["world_size"] == 1
     assert_close_losses(ref["losses"][:3], r["losses"][:3])  # then a learning rate of 1 grows fp32 rounding (1e-4)
@@ -258,7 +256,7 @@ def test_demo_under_the_deepspeed_launcher(tmp_path):
 def test_config_that_contradicts_the_flags_is_one_line(tiny, tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text('{"train_micro_batch_size_per_gpu": 16, "zero_optimization": {"stage": 2}}')
-    run = launch("python", ZERO, base_args(tiny, tmp_path / "x") + ["--deepspeed_config", str(bad)])
+    run = launch("forked-python", ZERO, base_args(tiny, tmp_path / "x") + ["--deepspeed_config", str(bad)])
     assert run.returncode != 0
     assert f"error: {bad} disagrees with the flags: train_micro_batch_size_per_gpu=16 vs --batch-size = 8" in run.stderr
     assert "Traceback" not in run.stderr

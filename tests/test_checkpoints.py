@@ -1,0 +1,213 @@
+"""Checkpoints and resume: on another number of ranks, refused when the global batch or the stage changed, after a
+kill during a save; what publishing keeps; --final best; a NaN loss stops the run; the catalogue of bad input."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from finetune import checkpoints, training, zero
+from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
+from test_single import assert_resumed, crash_after_first_checkpoint
+
+single = load_script("single-gpu.py")
+
+
+@pytest.mark.parametrize("stage, saved_by, resumed_on", [(2, 2, 1), (3, 1, 2), (0, 2, 1)])
+def test_resume_on_another_number_of_ranks_gives_the_uninterrupted_run(tiny, tmp_path, stage, saved_by, resumed_on):
+    """The same global batch of 8 sequences (2 per micro-step x 4 // ranks micro-steps x ranks) on 1 or 2 ranks."""
+    out, FC1 = tmp_path / "run", "model.decoder.layers.0.fc1.weight"
+
+    def run(ranks, *extra):
+        argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 4 // ranks, "--zero-stage": stage,
+                                       "--weight-decay": 0.1})  # per group: none on biases and norms
+        return check(launch("forked" if ranks > 1 else "forked-python", "zero-optimization.py",
+                            argv + ["--deepspeed", *extra], nproc=ranks))
+
+    run(saved_by)
+    full, full_weights = results(out), weights(out / "final")
+    crash_after_first_checkpoint(out)  # latest -> step-2, written by `saved_by` ranks
+    resumed = run(resumed_on, "--resume")
+    assert_resumed(out)
+    assert f"step-2 was written by {saved_by} ranks and loaded on {resumed_on}: " in resumed.stdout
+    universal = out / "checkpoints" / "step-2" / "universal"
+    if stage == 0:  # nothing is sharded: the checkpoint loads as it is
+        assert "ZeRO-0 saves the whole optimizer state" in resumed.stdout and not universal.exists()
+    else:  # one file per parameter and state, whole, made by DeepSpeed's ds_to_universal
+        assert "DeepSpeed resharded ZeRO's optimizer state" in resumed.stdout
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            whole = torch.load(universal / "zero" / FC1 / f"{state}.pt", weights_only=False)
+            whole = whole["param"] if isinstance(whole, dict) else whole  # ZeRO-3's are flat
+            assert whole.numel() == full_weights[FC1].numel()
+    assert json.loads((out / "checkpoints" / "step-4" / "run.json").read_text())["world_size"] == resumed_on
+    assert_close_losses(full["losses"], results(out)["losses"], rtol=1e-5)
+    assert_same_weights(full_weights, weights(out / "final"), atol=1e-5)
+
+
+def test_a_resume_that_changes_the_global_batch_or_the_stage_is_one_line(tiny, tmp_path, uninterrupted):
+    """The uninterrupted run's checkpoints (ZeRO-2, 2 ranks x micro-batch 2 x 2 micro-steps) resumed on 1 rank with
+    another global batch or another stage: refused with one line, before anything is converted or loaded."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted / "checkpoints", out / "checkpoints")
+    for changed, stage, message in [
+        ({"--grad-accum": 2}, 2, "trained on global batches of 8 sequences and this run makes 2 x 2 micro-steps x 1 "
+                                 "ranks = 4; pass --grad-accum 4 to make 8"),
+        ({"--grad-accum": 4}, 3, "was written with ZeRO stage 2 and this run has stage 3; resume with --zero-stage 2"),
+    ]:
+        args = load_script("zero-optimization.py").parse_args(
+            base_args(tiny, out, **{"--batch-size": 2, **changed}) + ["--resume"])
+        with pytest.raises(SystemExit) as refused:
+            zero.resume_folder(out, args, 1, {"zero_optimization": {"stage": stage}}, 0, print)
+        assert str(refused.value).startswith("error: --resume: ") and message in str(refused.value)
+    assert not list((out / "checkpoints").glob("*/universal"))  # refused before any conversion
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tiny, tmp_path):
+    out = tmp_path / "run"
+    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
+    single.main(argv)
+    whole = results(out)
+    crash_after_first_checkpoint(out)  # latest -> step-2
+    partial = out / "checkpoints" / ".tmp-step-4"  # what a kill in the middle of the step-4 save leaves
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"PK\x03\x04 half a file")
+    single.main(argv + ["--resume"])
+    assert_close_losses(whole["losses"], results(out)["losses"], rtol=1e-6)
+    assert not partial.exists() and (out / "checkpoints" / "latest").read_text() == "step-4"
+
+
+def test_publish_keeps_the_newest_checkpoints(tmp_path):
+    for step in (2, 4, 6, 8):
+        (tmp_path / f".tmp-step-{step}").mkdir()
+        (tmp_path / f".tmp-step-{step}" / "state.pt").write_text(str(step))
+        checkpoints.publish(tmp_path, f"step-{step}", keep=2)
+        assert (tmp_path / "latest").read_text() == f"step-{step}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-6", "step-8"]
+
+
+def test_publish_never_deletes_the_best_checkpoint(tmp_path):
+    """--keep-checkpoints 1 with the lowest eval loss at step 4: step 4 stays beside the newest, whatever its age."""
+    for step, loss in ((2, 3.0), (4, 1.5), (6, 2.0), (8, None), (10, 2.5)):
+        (tmp_path / f".tmp-step-{step}").mkdir()
+        training.write_json(tmp_path / f".tmp-step-{step}" / "run.json", {"step": step, "eval_loss": loss})
+        checkpoints.publish(tmp_path, f"step-{step}", keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-10", "step-4"]
+    assert checkpoints.best(tmp_path).name == "step-4"
+
+
+def test_publish_drops_a_later_checkpoint_that_was_never_published(tmp_path):
+    """A kill between the rename and `latest` leaves step-6 unpublished; the run resumes from step 4 and a signal
+    stops it at step 5: step 5 is `latest`, and stays, where step 6 would have outranked it for --keep-checkpoints."""
+    (tmp_path / ".tmp-step-4").mkdir()
+    checkpoints.publish(tmp_path, "step-4", keep=1)
+    (tmp_path / "step-6").mkdir()  # renamed from .tmp-step-6, then killed before `latest` moved to it
+    (tmp_path / ".tmp-step-5").mkdir()
+    checkpoints.publish(tmp_path, "step-5", keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-5"]
+    assert (tmp_path / "latest").read_text() == "step-5"
+
+
+def test_final_best_is_the_checkpoint_publish_kept(tmp_path):
+    """--final best takes the best checkpoint that exists: here one written on a signal at step 3 (no --save-every
+    step) with the lowest eval loss; --keep-checkpoints 1 kept it and deleted step 4, the best of the saved steps."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    model, weights_at = torch.nn.Linear(2, 2), {}
+    for step, loss in ((2, 0.5), (3, 0.2), (4, 0.3), (6, 0.4)):
+        weights_at[step] = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        folder = tmp_path / "checkpoints" / f".tmp-step-{step}"
+        folder.mkdir(parents=True)
+        torch.save({"model": weights_at[step]}, folder / "state.pt")
+        training.write_json(folder / "run.json", {"step": step, "eval_loss": loss, "world_size": 1})
+        checkpoints.publish(tmp_path / "checkpoints", f"step-{step}", keep=1)
+    model.load_state_dict(weights_at[6])
+    stats = SimpleNamespace(step=6, evals=[[2, 0.5], [3, 0.2], [4, 0.3], [6, 0.4]], rank=0, ranks=1, final_step=None)
+    said = []
+    checkpoints.load_best(model, tmp_path, stats, SimpleNamespace(final="best"), 1, said.append)
+    assert stats.final_step == 3 and torch.equal(model.weight, weights_at[3]["weight"]), said
+    stats.evals[-1][1] = 0.2  # the last step as good: the model in memory, no load
+    checkpoints.load_best(model, tmp_path, stats, SimpleNamespace(final="best"), 1, said.append)
+    assert stats.final_step == 3  # the earliest of equals
+
+
+def test_a_nan_loss_stops_the_run_at_its_step(tiny, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny["model"], model)
+    state = load_file(str(model / "model.safetensors"))
+    key = next(k for k in state if "final_layer_norm.weight" in k)
+    state[key][0] = float("nan")
+    save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"error: the loss is nan at step 1: training diverged"):
+        single.main(base_args(tiny, out, **{"--model": str(model)}))
+    assert not (out / "results.json").exists() and not (out / "checkpoints" / "latest").exists()
+
+
+def test_zero_stops_on_nan_too(tiny, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny["model"], model)
+    state = load_file(str(model / "model.safetensors"))
+    state[next(iter(state))].fill_(float("inf"))
+    save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
+    run = launch("forked-python", "zero-optimization.py", base_args(tiny, tmp_path / "run", **{"--model": str(model),
+                                                                                         "--zero-stage": 1}))
+    assert run.returncode != 0 and "error: the loss is nan at step 1" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+
+
+def no_weights(tiny, tmp_path):
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny["model"], folder)
+    (folder / "model.safetensors").unlink()
+    return str(folder)
+
+
+def ds_file(tmp_path, zero):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": zero}))
+    return str(path)
+
+
+# The catalogue of bad input beyond what test_single, test_data, test_classification and test_job check.
+BAD = [
+    ("model folder without weights", lambda t, p: {"--model": no_weights(t, p)}, "a model folder needs config.json"),
+    ("unknown hub id while offline", lambda t, p: {"--model": "no-such-org/no-such-model"},
+     "cannot load 'no-such-org/no-such-model': it is not a local folder"),
+    ("DeepSpeed JSON with a typo", lambda t, p: {"--deepspeed_config": ds_file(p, {"stage": 2, "overlap_com": True})},
+     "zero_optimization.overlap_com: Extra inputs are not permitted"),
+    ("DeepSpeed JSON with stage 7", lambda t, p: {"--deepspeed_config": ds_file(p, {"stage": 7})},
+     "zero_optimization.stage: Input should be 0, 1, 2, 3"),
+    ("checkpoint pointer to a missing folder", "pointer", "which is missing; point it at a step-N folder"),
+]
+
+
+@pytest.mark.parametrize("name, make, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_catalogue(tiny, tmp_path, name, make, message):
+    out = tmp_path / "out"
+    if make == "pointer":
+        (out / "checkpoints").mkdir(parents=True)
+        (out / "checkpoints" / "latest").write_text("step-9")
+        argv = base_args(tiny, out) + ["--resume"]
+    else:
+        argv = base_args(tiny, out, **make(tiny, tmp_path))
+    if "--deepspeed_config" in " ".join(argv):  # the DeepSpeed config is read by zero-optimization.py
+        run = launch("forked-python", "zero-optimization.py", argv)
+        text = run.stderr.strip().splitlines()[-1]
+        assert run.returncode != 0 and "Traceback" not in run.stderr
+    else:
+        with pytest.raises(SystemExit) as e:
+            single.main(argv)
+        text = str(e.value)
+    assert text.startswith("error: ") and message in text, text
+
+
+def test_a_run_killed_in_its_first_save_starts_over_under_resume_auto(tmp_path):
+    """A half-written first checkpoint is nothing to resume: --resume auto (resolved to no resume) starts afresh,
+    where it used to stop every requeue with "holds an unfinished run"; plain --resume says there is nothing."""
+    (tmp_path / "checkpoints" / ".tmp-step-500").mkdir(parents=True)
+    checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume=None, rank=0)
+    assert not (tmp_path / "checkpoints" / ".tmp-step-500").exists()
+    with pytest.raises(SystemExit, match="has no checkpoints to resume from"):
+        checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume="newest", rank=0)
