@@ -201,6 +201,7 @@ def parse_args(argv=None):
     # DeepSpeed: off without the flag; --deepspeed alone is ds_config_zero2.json
     p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(training.ROOT / "ds_config_zero2.json"),
                    metavar="CONFIG", help="DeepSpeed JSON config")
+    p.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective waits (a save, a lost rank)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     args = p.parse_args(argv)
     if args.demo:  # the demo changes the defaults; flags given on the command line still win
@@ -236,8 +237,9 @@ def main(argv=None):
     resume = check_trainer_resume(out / "checkpoints", world_size, args.deepspeed, rank) if args.resume else None
     if resume:
         say(f"resuming from {resume.name}")
+    timeout = distributed.collective_settings(args)  # before any process group: the bound on every collective
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(timeout=timeout)
     stop = StopOnSignal(checkpoints.Stop())  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
 
     # -------------------------------------------------------------------------------- data
@@ -267,7 +269,7 @@ def main(argv=None):
         logging_steps=10, report_to=args.report_to, deepspeed=ds_config, disable_tqdm=not args.verbose,
         log_level="warning" if args.verbose else "error",
         use_cpu=device.type == "cpu",  # on a machine without CUDA; without it a distributed launch miscounts ranks
-        dataloader_pin_memory=device.type == "cuda", **optimizer_args)
+        dataloader_pin_memory=device.type == "cuda", ddp_timeout=args.dist_timeout, **optimizer_args)
     set_seed(args.seed)  # the new head's random weights: the Trainer seeds only once the model exists
     with quiet_loading(args.verbose):  # transformers reports the new head's weights as missing: they are new on purpose
         model = models.load_pretrained(

@@ -124,20 +124,15 @@ def main(argv=None):
         model.compile()
     stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
     stop = checkpoints.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
-    if folder:
-        state = torch.load(folder / "state.pt", weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        checkpoints.set_rng_state(state["rng"], device)
-        stats.restore(state["stats"])
+    if folder:  # into the model, the optimizer, the schedule and the scaler; nothing of the file is kept
+        stats.restore(checkpoints.load_state(folder, model, optimizer, scheduler, scaler, device))
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(args.packing)} | {total_steps} steps of {global_batch} sequences "
         f"({training.split(args, world_size)}) | {args.precision} | {device}")
     model.train()
+    scale = scaler.get_scale()  # fp16's loss scale, as the last update left it (1.0 without fp16)
     bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps,
                disable=True if rank else None)  # None: a bar on a terminal only, not in log files
     for step in bar:
@@ -152,10 +147,10 @@ def main(argv=None):
             step_loss += batch_loss.detach()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)  # pre-clip
-        scale = scaler.get_scale()  # fp16 only: a host sync (DeepSpeed syncs for the same check)
         scaler.step(optimizer)  # fp16: skips the update when a gradient overflowed, and lowers the scale
         scaler.update()
-        if scaler.get_scale() >= scale:  # a skipped update leaves the LR schedule where it was, as DeepSpeed does
+        scale, last_scale = scaler.get_scale(), scale  # fp16 only: a host sync (DeepSpeed syncs for the same check)
+        if scale >= last_scale:  # a skipped update leaves the LR schedule where it was, as DeepSpeed does
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         stats.end_step(step_loss, train, indices, grad_norm)
@@ -166,7 +161,7 @@ def main(argv=None):
             with stats.paused():  # every rank evaluates its share of the eval set
                 result = training.evaluate(model, evals, args, tokenizer.pad_token_id, device, config, autocast,
                                            rank, world_size)
-                answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank) \
+                answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
                     if stats.trackers.names else None  # a few eval prompts answered, for the trackers
             say(stats.eval_line(step, result, answers))
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
@@ -188,7 +183,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- sample
     checkpoints.load_best(model, out, stats, args, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
-    sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
+    sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank, autocast)  # or a line why
 
     # -------------------------------------------------------------------------------- save (rank 0 writes alone)
     final = out / "final"

@@ -178,7 +178,7 @@ def main(argv=None):
             with stats.paused():  # every rank evaluates its share of the eval set
                 result = training.evaluate(model, evals, args, tokenizer.pad_token_id, device, config, autocast,
                                            rank, world_size)
-                answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank) \
+                answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
                     if stats.trackers.names else None  # a few eval prompts answered, for the trackers
             say(stats.eval_line(step, result, answers))
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
@@ -201,7 +201,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- sample
     checkpoints.load_best(model, out, stats, args, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
-    sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank)  # a line if it fails
+    sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank, autocast)  # or a line why
 
     # -------------------------------------------------------------------------------- save (rank 0 writes alone)
     final = out / "final"

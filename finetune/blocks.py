@@ -149,11 +149,11 @@ class Blocks:
             from . import sequence_parallel
             return sequence_parallel.shard(ids, positions, labels, *sequence_shard, device)
         segments = np.cumsum(starts, axis=-1)
-        index = torch.from_numpy(np.flatnonzero(labels != -100)).to(device)
-        ids, positions, labels, segments = torch.from_numpy(np.stack([ids, positions, labels, segments])).to(device)
+        index = hardware.to_device(np.flatnonzero(labels != -100), device)
+        ids, positions, labels, segments = hardware.to_device(np.stack([ids, positions, labels, segments]), device)
         inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
         if layout == "varlen":
-            cu = torch.from_numpy(bounds).to(device)
+            cu = hardware.to_device(bounds, device)
             longest = int(np.diff(bounds).max())
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         elif starts[:, 1:].any():  # one causal segment per row and no padding: the model's own mask

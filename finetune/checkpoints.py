@@ -38,8 +38,9 @@ def prepare_output_dir(path, overwrite, resume, rank):
         fail(f"{out} holds an unfinished run; pass --resume to continue it or --overwrite to start over")
     elif resume and not started:
         fail(f"--resume: {out} has no checkpoints to resume from")
+    # every rank: NCCL's flight recorder dumps into it on a timeout (hangs.py), on nodes without a shared disk too
+    out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         for partial in (out / "checkpoints").glob(".tmp-*"):  # a save that was killed half-way
             shutil.rmtree(partial, ignore_errors=True)
     return out
@@ -140,9 +141,24 @@ def load_best(model, out, stats, args, world_size, say):
     if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
         model.load_checkpoint(folder.parent, folder.name)
     else:
-        model.load_state_dict(torch.load(folder / "state.pt", weights_only=False)["model"])
+        model.load_state_dict(torch.load(folder / "state.pt", map_location="cpu", mmap=True,  # the model's part read
+                                         weights_only=False)["model"])
     stats.final_step = step
     say(f"--final best: final/ is step {step}, eval loss {value:.4f} (the last step's: {stats.evals[-1][1]:.4f})")
+
+
+def load_state(folder, model, optimizer, scheduler, scaler, device):
+    """single-gpu.py's resume from its state.pt: read on the host (torch.save kept the tensors' devices: a GPU run
+    would load a second copy of its weights onto the GPU), memory-mapped on a GPU run (only what is copied is read),
+    copied into the model, the optimizer (onto its parameters' device), the schedule and the scaler, and dropped.
+    Returns the run's progress (RunStats.state)."""
+    state = torch.load(folder / "state.pt", map_location="cpu", mmap=device.type == "cuda", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"], device)
+    return state["stats"]
 
 
 class Stop:
@@ -152,13 +168,19 @@ class Stop:
     changes nothing; a kill during the save leaves the previous checkpoint as `latest` (publish_checkpoint)."""
 
     def __init__(self):
-        self.signal = None
+        self.signal, self.world = None, None
         for number in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(number, self._ask)
-        dist = torch.distributed
-        self.ranks = dist.get_world_size() if dist.is_initialized() else 1
-        # the ranks agree on a CPU group: the flag never waits on a GPU's queue of work (no host sync per step)
-        self.group = None if self.ranks == 1 or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def _world(self):
+        """(ranks, the group they agree on), at the first step's end: the process group may not exist yet when Stop is
+        made (the HF Trainer makes it in TrainingArguments). Every rank gets here at the same step (new_group is a
+        collective). The group is a CPU one: the flag never waits on a GPU's queue of work (no host sync per step)."""
+        if self.world is None:
+            dist = torch.distributed
+            ranks = dist.get_world_size() if dist.is_initialized() else 1
+            self.world = ranks, None if ranks == 1 or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return self.world
 
     def _ask(self, number, frame):
         if hangs.reported.is_set():  # a hung run has no step to finish: the launcher is ending it
@@ -168,17 +190,19 @@ class Stop:
     def due(self):
         """Whether to stop after this step: a signal reached any rank (only the signalled node knows, on a cluster:
         a one-element all-reduce tells the others)."""
-        if self.ranks == 1:
+        ranks, group = self._world()
+        if ranks == 1:
             return self.signal is not None
         flag = torch.tensor([self.signal is not None], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
     def exit(self, step, say):
         """After the checkpoint: every rank has finished (a launcher stops the others as soon as one exits), then
         leave with STOPPED."""
-        if self.ranks > 1:
-            torch.distributed.barrier(group=self.group)
+        ranks, group = self._world()
+        if ranks > 1:
+            torch.distributed.barrier(group=group)
         name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
         say(f"stopped by {name} after step {step}, its checkpoint written: rerun with --resume auto to continue")
         raise SystemExit(STOPPED)

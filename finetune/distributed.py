@@ -70,6 +70,9 @@ def collective_settings(args):
 
     from . import hangs
 
+    if args.dist_timeout < hangs.MIN_DIST_TIMEOUT:
+        fail(f"--dist-timeout must be at least {hangs.MIN_DIST_TIMEOUT} seconds (it bounds every collective, the "
+             f"rendezvous included), got {args.dist_timeout}")
     hangs.flight_recorder_env(args.output_dir)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
@@ -98,6 +101,8 @@ def run_distributed(main):
         reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
         raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
                          f"answering; see the launcher's log for which, then rerun with --resume")
+    if code and torch.distributed.is_initialized():  # stopped by a signal: main() did not reach its own
+        torch.distributed.destroy_process_group()
     remove_shm_buffer()
     if skip_teardown(torch.cuda.is_available()):
         # On CPU (gloo), about one run in 200 aborts in the interpreter's teardown, after every output is written

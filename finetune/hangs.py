@@ -1,16 +1,18 @@
-"""A hang names itself: when a rank finishes no step for a while (half of --dist-timeout, at most 10 minutes), every
-rank writes the Python stacks of all its threads to <output-dir>/hang/rank-N.txt, and rank 0 ends the job with one
-line that says where each rank is, e.g.
+"""A hang names itself: when a rank makes no progress (no micro-step begins, no step ends) for half of --dist-timeout,
+every rank writes the Python stacks of all its threads to <output-dir>/hang/rank-N.txt, and rank 0 ends the job with
+one line that says where each rank is, before the hung collective's own timeout, e.g.
 
-    error: no step finished for 300 s after step 1200: rank 3 in read_batch at data.py:402; ranks 0-2,4-7 in
+    error: no progress for 900 s after step 1200: rank 3 in read_batch at data.py:402; ranks 0-2,4-7 in
     all_reduce at zero-optimization.py:175; stacks in out/hang
 
 The ranks meet in the rendezvous store (rank 0's TCP store, which answers while the collectives hang), not in a
 collective. torch's flight recorder (every rank's last collectives, with their sequence numbers: the rank behind the
 others is the one that stopped) is dumped beside the stacks (hang/flight-recorder/rank_N, read with
-`python -m torch.distributed.flight_recorder.fr_trace <output-dir>/hang/flight-recorder`); on GPUs NCCL's watchdog
-also dumps it when a collective times out (<output-dir>/nccl_trace_rank_N)."""
+`python -m torch.distributed.flight_recorder.fr_trace <output-dir>/hang/flight-recorder`): on GPUs NCCL's recorder,
+which holds the training's collectives (the gloo one holds the stop votes only); NCCL's watchdog also dumps it when a
+collective times out (<output-dir>/nccl_trace_rank_N)."""
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,10 +27,27 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "all_to_all_single", "send", "recv", "reduce", "gather", "scatter", "monitored_barrier"}
 
 
+MIN_DIST_TIMEOUT = 10  # seconds: below it a report could not come before the collective's own timeout
+REPORT_BY = 0.8  # rank 0 says its line by this share of --dist-timeout after the last progress, waiting for reports
+
+
 def threshold(dist_timeout):
-    """Seconds without a finished step before the report: half of --dist-timeout (the collective would fail there
-    with less to say), at most 10 minutes (steps of large models with offload take a minute or two)."""
-    return min(600.0, dist_timeout / 2)
+    """Seconds without progress before the report: half of --dist-timeout, so that it comes before the hung
+    collective would fail with less to say. Progress is a micro-step begun or a step ended: a step of many
+    micro-steps (a large --grad-accum, offload, long blocks) may take as long as it needs; the bound is on one
+    micro-step, and --dist-timeout sets it."""
+    return dist_timeout / 2
+
+
+active = None  # this process's watchdog, if any: progress() reaches it from the loss, called once per micro-step
+clock = time.monotonic  # (a test drives it)
+
+
+def progress():
+    """A micro-step begins (loss.token_loss_sum): the rank is alive and working."""
+    watchdog = active
+    if watchdog is not None and watchdog.last is not None:  # armed (after the first step) and not stopped
+        watchdog.last = clock()
 
 
 def flight_recorder_env(out, environ=None):
@@ -53,18 +72,24 @@ class Watchdog:
     """A thread of each rank that watches the steps finish (beat()). Off during pauses (evaluation, checkpoints:
     their collectives are bounded by --dist-timeout) and before the first step ends (start-up, compilation)."""
 
-    def __init__(self, out, seconds, rank, ranks, store=None, poll=1.0):
-        self.out, self.seconds, self.rank, self.ranks, self.store = Path(out), seconds, rank, ranks, store
-        self.step, self.last, self.last_wall, self.paused, self.poll = 0, None, None, False, poll
+    def __init__(self, out, dist_timeout, rank, ranks, store=None, poll=1.0):
+        self.out, self.seconds, self.rank, self.ranks, self.store = Path(out), threshold(dist_timeout), rank, ranks, store
+        self.dist_timeout, self.poll = dist_timeout, poll
+        self.step, self.last, self.last_wall, self.paused = 0, None, None, False
         self.main = threading.main_thread()
+        global active
+        active = self
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
 
     def beat(self, step):
         """A step finished."""
-        self.step, self.last, self.last_wall = step, time.monotonic(), time.time()
-        stall = os.environ.get("FINETUNE_TEST_STALL")  # tests only: "rank:step" stops that rank after that step
-        if stall == f"{self.rank}:{step}":
-            time.sleep(3600)
+        self.step, self.last, self.last_wall = step, clock(), time.time()
+        # tests only: "rank:step[,rank:step:freeze]" stops each such rank after that step: it sleeps (its watchdog
+        # reports), or it freezes (SIGSTOP, as a frozen node: nothing of it reports)
+        for stall in filter(None, os.environ.get("FINETUNE_TEST_STALL", "").split(",")):
+            rank, at, *how = stall.split(":")
+            if (int(rank), int(at)) == (self.rank, step):
+                os.kill(os.getpid(), signal.SIGSTOP) if how == ["freeze"] else time.sleep(3600)
 
     def stop(self):
         """No steps left to watch (the evaluation and export after the last one are bounded by --dist-timeout)."""
@@ -73,25 +98,29 @@ class Watchdog:
     def pause(self, paused):
         self.paused = paused
         if not paused and self.last is not None:
-            self.last = time.monotonic()
+            self.last = clock()
+
+    def overdue(self, last):
+        return last is not None and not self.paused and clock() - last > self.seconds
 
     def _watch(self):
         while True:
             time.sleep(self.poll)
             last = self.last  # once: stop() may clear it meanwhile
-            if last is not None and not self.paused and time.monotonic() - last > self.seconds:
-                self.report()
+            if self.overdue(last):
+                self.report(last)
                 return
 
-    def report(self):
+    def report(self, last):
         """This rank's stacks to hang/rank-N.txt and its whereabouts to the store; rank 0 then gathers them, says
-        the one line, and ends the job (the launcher stops the other ranks)."""
+        the one line, and ends the job (the launcher stops the other ranks). `last`: the monotonic time of its last
+        progress; the collective it hangs in began after it, and times out --dist-timeout after that."""
         reported.set()
         folder = self.out / "hang"
         folder.mkdir(parents=True, exist_ok=True)
         where = whereabouts(sys._current_frames().get(self.main.ident))
         (folder / f"rank-{self.rank}.txt").write_text(
-            f"rank {self.rank}: no step finished for {self.seconds:.0f} s after step {self.step} (which ended at "
+            f"rank {self.rank}: no progress for {self.seconds:.0f} s after step {self.step} (which ended at "
             f"{time.strftime('%H:%M:%S', time.localtime(self.last_wall))}); main thread in {where}\n\n{all_stacks()}")
         dump_flight_recorder(folder / "flight-recorder" / f"rank_{self.rank}")
         if self.store is not None:
@@ -102,13 +131,14 @@ class Watchdog:
         if self.rank != 0:
             return
         places = {0: where}
-        deadline = time.monotonic() + min(30.0, self.seconds)  # the other ranks' watchdogs fire about as late
-        while len(places) < self.ranks and time.monotonic() < deadline:
+        # the other ranks' watchdogs fire about as late; a frozen rank's never does: the line must come first
+        deadline = min(clock() + 30.0, last + REPORT_BY * self.dist_timeout)
+        while len(places) < self.ranks and clock() < deadline:
             for r in range(1, self.ranks):
                 if r not in places and self.store.check([f"hang/rank-{r}"]):
                     places[r] = self.store.get(f"hang/rank-{r}").decode()
             time.sleep(0.2)
-        line = (f"error: no step finished for {self.seconds:.0f} s after step {self.step}: "
+        line = (f"error: no progress for {self.seconds:.0f} s after step {self.step}: "
                 f"{summary(places, self.ranks)}; stacks in {folder}")
         (folder / "summary.txt").write_text(line + "\n")
         print(line, file=sys.stderr, flush=True)
@@ -163,13 +193,22 @@ def all_stacks():
                      for ident, frame in sys._current_frames().items())
 
 
+def recorder(backend):
+    """Which of torch's flight recorders holds the training's collectives: torch keeps NCCL's (CUDA events) apart
+    from the one of every other backend (FlightRecorderCuda.cpp: _dump_nccl_trace; FlightRecorder.cpp:
+    _dump_fr_trace, which on a GPU run holds only the gloo group of the stop votes)."""
+    return "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace"
+
+
 def dump_flight_recorder(path):
     """This rank's flight recorder (its last collectives, in the format torch's fr_trace reads), if it is on."""
     try:
         import torch._C._distributed_c10d as c10d
+        import torch.distributed as dist
 
-        trace = c10d._dump_fr_trace(True, True, False)
-    except Exception:  # noqa: BLE001 (an older torch, or the recorder off)
+        dump = getattr(c10d, recorder(dist.get_backend() if dist.is_initialized() else None))
+        trace = dump(True, True, False)
+    except Exception:  # noqa: BLE001 (an older torch, a CPU build without NCCL, or the recorder off)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(trace)

@@ -85,6 +85,21 @@ def set_matmul_precision(precision):
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32 and tf32: no autocast
 
 
+def pinned_copies(device_type):
+    """Whether a batch goes to the device through pinned memory, asynchronously: a copy from pageable memory makes
+    the host wait for the device's queue (the previous micro-step's backward) before the loop can go on. On a GPU."""
+    return device_type == "cuda"
+
+
+def to_device(array, device):
+    """A host array on the device: pinned and asynchronous where that lets the host run ahead (pinned_copies). torch's
+    pinned memory pool keeps the block until the copy has run."""
+    tensor = torch.from_numpy(array)
+    if pinned_copies(device.type):
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def autocast(device, precision):
     """Mixed precision for bf16 and fp16 (the weights stay fp32, matmuls run in 16 bits); nothing otherwise."""
     if precision not in AUTOCAST_DTYPES:

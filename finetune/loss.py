@@ -17,7 +17,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import hardware
+from . import hangs, hardware
 
 # models whose logits are more than head(hidden): softcapped or scaled. They take the plain path.
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -118,5 +118,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 def token_loss_sum(model, inputs, labels):
     """The summed loss of a batch: `labels` is (shifted labels with -100, flat index of the positions that carry
     loss), as blocks.Blocks.batch makes them. The scripts divide it by the global batch's count of such tokens, so
-    every token weighs the same however the batch is split over micro-steps and ranks."""
+    every token weighs the same however the batch is split over micro-steps and ranks. A micro-step begun is progress
+    to the hang watchdog (hangs.py), however long the step of many micro-steps takes."""
+    hangs.progress()
     return model(**inputs, loss_targets=labels)

@@ -169,16 +169,17 @@ def save_final(model, tokenizer, folder, state_dict=None):
     merged.merge_and_unload().save_pretrained(folder)
 
 
-def sample(model, tokenizer, prompt, fmt, device, say, rank):
+def sample(model, tokenizer, prompt, fmt, device, say, rank, autocast):
     """The trained model's answer to --prompt: a chat message for chat data, the text as it is otherwise, with the
-    tokenizer's own special tokens. With the model in memory: under ZeRO-3 every rank takes part (its layers are
-    gathered one at a time, as in training), so no rank ever holds a whole copy: it runs before rank 0 writes the
-    outputs, so no rank waits on a collective while rank 0 saves. A failure here is a line, never a failed run."""
+    tokenizer's own special tokens. With the model in memory, under the run's precision (`autocast`: FlashAttention
+    refuses the fp32 activations of fp32 weights): under ZeRO-3 every rank takes part (its layers are gathered one at a
+    time, as in training), so no rank ever holds a whole copy: it runs before rank 0 writes the outputs, so no rank
+    waits on a collective while rank 0 saves. A failure here is a line, never a failed run."""
     if not prompt or not _generates(model, rank):
         return None
     try:
         messages = [{"role": "user", "content": prompt}] if fmt == "messages" else None
-        answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device)
+        answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device, autocast)
         say(f"sample: {prompt!r} -> {answer!r}")
         return answer
     except Exception as e:  # noqa: BLE001 (any failure: the run itself succeeded)
@@ -186,10 +187,11 @@ def sample(model, tokenizer, prompt, fmt, device, say, rank):
         return None
 
 
-def answers(model, tokenizer, examples, fmt, device, rank):
+def answers(model, tokenizer, examples, fmt, device, rank, autocast):
     """The model's answers to the prompts of a few eval rows (chats: the turns before the last assistant's;
-    prompt/completion: the prompt), beside the expected ones, for the trackers at each eval. Greedy: no random
-    number is drawn, so training goes on exactly as without it. None for plain text, or where it fails."""
+    prompt/completion: the prompt), beside the expected ones, for the trackers at each eval, under the run's
+    precision. Greedy: no random number is drawn, so training goes on exactly as without it. None for plain text;
+    the exception where it fails (RunStats.eval_line says it once: a view of the run, never a reason to stop it)."""
     if fmt == "text" or not examples or not _generates(model, rank):
         return None
     rows = []
@@ -201,10 +203,10 @@ def answers(model, tokenizer, examples, fmt, device, rank):
                 prompt = messages[-1]["content"] if messages else ""
             else:
                 messages, prompt, expected = None, row["prompt"], row["completion"]
-            answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device)
+            answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device, autocast)
             rows.append({"prompt": prompt, "expected": expected, "answer": answer})
-    except Exception:  # noqa: BLE001 (a sample is a view of the run, never a reason to stop it)
-        return None
+    except Exception as e:  # noqa: BLE001
+        return e
     return rows
 
 
@@ -222,7 +224,7 @@ def _prompt_ids(tokenizer, messages, prompt):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _generate(model, tokenizer, ids, device, max_new_tokens=40):
+def _generate(model, tokenizer, ids, device, autocast, max_new_tokens=40):
     """Greedy decoding of the model in memory, within its positions; it is left in the mode it was in."""
     engine = model if hasattr(model, "zero_optimization_partition_weights") else None
     net = getattr(model, "module", model)
@@ -232,7 +234,7 @@ def _generate(model, tokenizer, ids, device, max_new_tokens=40):
     was_training = net.training
     net.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             out = net.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
                                do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                synced_gpus=engine is not None and engine.zero_optimization_partition_weights())

@@ -162,6 +162,6 @@ def shard(ids, positions, labels, rank, size, device):
     ids, positions, labels = pad(ids, 0), pad(positions, 0), pad(labels, -100)
     piece = slice(rank * (padded // size), (rank + 1) * (padded // size))
     ids, positions, labels = ids[:, piece], positions[:, piece], labels[:, piece]
-    index = torch.from_numpy(np.flatnonzero(labels != -100)).to(device)
-    ids, positions, labels = torch.from_numpy(np.stack([ids, positions, labels])).to(device)
+    index = hardware.to_device(np.flatnonzero(labels != -100), device)
+    ids, positions, labels = hardware.to_device(np.stack([ids, positions, labels]), device)
     return {"input_ids": ids, "position_ids": positions, "use_cache": False, SHARDED: True}, (labels, index)

@@ -135,6 +135,7 @@ class RunStats:
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
         self.grad_norms, self.pending_norms, self.evals, self.eval_time = [], [], [], 0.0
         self.final_step = None  # the step of the weights in final/ (load_best)
+        self.answers_failed = False  # said once: the trackers' eval answers could not be generated
         self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
         self.interval_start, self.last_pause = time.perf_counter(), 0.0
         dist = torch.distributed
@@ -143,7 +144,7 @@ class RunStats:
         self.trackers = tracking.Trackers(args.report_to, args.output_dir, args, self.rank)
         self.watchdog = None  # a hang names itself (hangs.py): on several ranks, with a bound on their collectives
         if self.ranks > 1 and getattr(args, "dist_timeout", None):
-            self.watchdog = hangs.Watchdog(args.output_dir, hangs.threshold(args.dist_timeout), self.rank,
+            self.watchdog = hangs.Watchdog(args.output_dir, args.dist_timeout, self.rank,
                                            self.ranks, dist.distributed_c10d._get_default_store())
 
     def describe(self):
@@ -196,10 +197,15 @@ class RunStats:
 
     def eval_line(self, step, result, answers=None):
         """Record the eval loss after `step + 1` steps ((loss, tokens) from evaluate, run within paused()) and say
-        it; `answers` (models.answers) go to the trackers as text. Every rank calls it (the pending losses go to the
-        trackers first: W&B drops steps that come late)."""
+        it; `answers` (models.answers) go to the trackers as text, or the first time they failed, a word of why. Every
+        rank calls it (the pending losses go to the trackers first: W&B drops steps that come late)."""
         self._flush()
         (value, tokens), seconds = result, self.last_pause
+        failed = ""
+        if isinstance(answers, Exception):
+            if not self.answers_failed:
+                failed = f" | no answers for the trackers ({type(answers).__name__}: {str(answers).strip()[:120]})"
+            self.answers_failed, answers = True, None
         if answers:
             self.trackers.text("eval/samples", answers, step + 1)
         self.evals.append([step + 1, value])
@@ -209,7 +215,7 @@ class RunStats:
         self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},
                           step + 1)
         return (f"step {step + 1} | eval loss {value:.4f} | perplexity {perplexity(value):.2f} | {tokens:,} tokens | "
-                f"{seconds:.1f} s{mark}")
+                f"{seconds:.1f} s{mark}{failed}")
 
     def log_line(self, step, total_steps, lr):
         self._flush()

@@ -27,8 +27,8 @@ from finetune import demo  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "quick: the in-process tier, `make test-quick`: formats, masks, packing, the loss, "
-                                       "the planner, GPU decisions fed a GPU's facts, bad input, configs")
+    config.addinivalue_line("markers", "quick: the in-process tier, `make test-quick`: formats, masks, packing, the "
+                                       "loss, the planner, GPU decisions fed a GPU's facts, bad input, configs")
 
 
 def load_script(name):

@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, load_script
 
 
@@ -39,6 +41,7 @@ def test_a_probe_that_fails_is_a_row_and_the_set_goes_on(tmp_path, monkeypatch):
     assert "| demo | too big: did not run (error: " in table and "| demo | fits | 1 |" in table
 
 
+@pytest.mark.quick
 def test_the_gpu_smoke_test_says_so_without_a_gpu():
     run = subprocess.run(["bash", "bench/gpu_check.sh", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and run.stderr.strip().startswith("error: no CUDA GPU here")

@@ -63,6 +63,7 @@ def test_a_resume_that_changes_the_global_batch_or_the_stage_is_one_line(tiny, t
     assert not list((out / "checkpoints").glob("*/universal"))  # refused before any conversion
 
 
+@pytest.mark.quick
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tiny, tmp_path):
     out = tmp_path / "run"
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
@@ -77,6 +78,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tiny, tmp_path):
     assert not partial.exists() and (out / "checkpoints" / "latest").read_text() == "step-4"
 
 
+@pytest.mark.quick
 def test_publish_keeps_the_newest_checkpoints(tmp_path):
     for step in (2, 4, 6, 8):
         (tmp_path / f".tmp-step-{step}").mkdir()
@@ -86,6 +88,7 @@ def test_publish_keeps_the_newest_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-6", "step-8"]
 
 
+@pytest.mark.quick
 def test_publish_never_deletes_the_best_checkpoint(tmp_path):
     """--keep-checkpoints 1 with the lowest eval loss at step 4: step 4 stays beside the newest, whatever its age."""
     for step, loss in ((2, 3.0), (4, 1.5), (6, 2.0), (8, None), (10, 2.5)):
@@ -96,6 +99,7 @@ def test_publish_never_deletes_the_best_checkpoint(tmp_path):
     assert checkpoints.best(tmp_path).name == "step-4"
 
 
+@pytest.mark.quick
 def test_publish_drops_a_later_checkpoint_that_was_never_published(tmp_path):
     """A kill between the rename and `latest` leaves step-6 unpublished; the run resumes from step 4 and a signal
     stops it at step 5: step 5 is `latest`, and stays, where step 6 would have outranked it for --keep-checkpoints."""
@@ -108,6 +112,7 @@ def test_publish_drops_a_later_checkpoint_that_was_never_published(tmp_path):
     assert (tmp_path / "latest").read_text() == "step-5"
 
 
+@pytest.mark.quick
 def test_final_best_is_the_checkpoint_publish_kept(tmp_path):
     """--final best takes the best checkpoint that exists: here one written on a signal at step 3 (no --save-every
     step) with the lowest eval loss; --keep-checkpoints 1 kept it and deleted step 4, the best of the saved steps."""
@@ -132,6 +137,7 @@ def test_final_best_is_the_checkpoint_publish_kept(tmp_path):
     assert stats.final_step == 3  # the earliest of equals
 
 
+@pytest.mark.quick
 def test_a_nan_loss_stops_the_run_at_its_step(tiny, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny["model"], model)
@@ -203,6 +209,7 @@ def test_bad_input_catalogue(tiny, tmp_path, name, make, message):
     assert text.startswith("error: ") and message in text, text
 
 
+@pytest.mark.quick
 def test_a_run_killed_in_its_first_save_starts_over_under_resume_auto(tmp_path):
     """A half-written first checkpoint is nothing to resume: --resume auto (resolved to no resume) starts afresh,
     where it used to stop every requeue with "holds an unfinished run"; plain --resume says there is nothing."""

@@ -152,6 +152,7 @@ def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path, one_
     assert r["eval_loss"] == pytest.approx(one_process[0]["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.quick
 def test_the_best_epoch_is_the_most_accurate_and_of_those_the_lowest_loss():
     labels = [0, 1, 1, 0]
     confident = classification.classification_metrics([[4, 0], [0, 4], [0, 4], [4, 0]], labels, 2)
@@ -162,6 +163,7 @@ def test_the_best_epoch_is_the_most_accurate_and_of_those_the_lowest_loss():
     assert wrong_once["f1_macro"] == pytest.approx((2 * 2 / (2 * 2 + 1) + 2 * 1 / (2 * 1 + 1)) / 2)
 
 
+@pytest.mark.quick
 def test_resume_without_a_checkpoint_is_one_line(sentiment, tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # killed before the end of the first epoch
     with pytest.raises(SystemExit, match="run has no checkpoints to resume from"):
@@ -176,6 +178,7 @@ def test_resume_without_a_checkpoint_is_one_line(sentiment, tmp_path):
     ("review,sentiment\ngood,positive\nbad,negative\n", ["--deepspeed", "missing.json"], "missing.json does not exist"),
     ("review,sentiment\ngood,positive\nbad,negative\n", ["--lr", "-1"], "--lr must be positive"),
 ])
+@pytest.mark.quick
 def test_bad_input_is_one_line(sentiment, tmp_path, content, flags, message):
     suffix = ".csv"
     if flags[:1] == ["--dataset-suffix"]:

@@ -9,6 +9,8 @@ from transformers import OPTConfig
 from finetune import training, zero
 from conftest import load_script
 
+pytestmark = pytest.mark.quick  # in process: `make test-quick`
+
 ZERO3 = str(training.ROOT / "ds_config_zero3.json")
 ZERO2 = str(training.ROOT / "ds_config_zero2.json")
 

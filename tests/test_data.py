@@ -12,6 +12,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT
 
 from finetune import blocks, data, loss, training
 
+pytestmark = pytest.mark.quick  # in process: `make test-quick`
+
 
 def data_args(dataset, **kw):
     base = dict(dataset=str(dataset), dataset_config=None, seed=0, max_train_samples=0, block_size=32,
@@ -26,16 +28,16 @@ def tokenizer(tiny):
     return AutoTokenizer.from_pretrained(tiny["model"])
 
 
-def documents_of(blocks, i):
-    """The segments of block i, as token lists (a segment starts at a DOC_START flag)."""
-    s, n = blocks.starts[i], blocks.lengths[i]
-    tokens, flags = blocks.tokens[s:s + n], blocks.flags[s:s + n]
+def documents_of(split, i):
+    """The segments of block i of a split, as token lists (a segment starts at a DOC_START flag)."""
+    s, n = split.starts[i], split.lengths[i]
+    tokens, flags = split.tokens[s:s + n], split.flags[s:s + n]
     starts = list(np.flatnonzero(flags & blocks.DOC_START)) + [n]
     return [tokens[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
 
 
-def documents(blocks):
-    return [d for i in range(len(blocks)) for d in documents_of(blocks, i)]
+def documents(split):
+    return [d for i in range(len(split)) for d in documents_of(split, i)]
 
 
 def test_best_fit_decreasing_keeps_documents_whole():
@@ -57,7 +59,7 @@ def test_best_fit_decreasing_keeps_documents_whole():
 @pytest.mark.parametrize("packing", ["isolated", "stream", "none"])
 def test_every_token_in_its_place(tiny, tokenizer, packing, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "CACHE", tmp_path)  # prepared here, written 7 pieces at a time
-    monkeypatch.setattr(data, "CHUNK", 7)
+    monkeypatch.setattr(blocks, "CHUNK", 7)
     train, _ = data.prepare(data_args(tiny["data"], packing=packing), tokenizer)
     rows = data.load_splits(tiny["data"], seed=0)[0]  # the same training split
     docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]

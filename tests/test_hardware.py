@@ -9,6 +9,8 @@ import torch
 from finetune import blocks, checkpoints, data, distributed, hardware, zero
 from finetune.hardware import Facts
 
+pytestmark = pytest.mark.quick  # in process: `make test-quick`
+
 H100 = Facts("cuda", "NVIDIA H100 80GB HBM3", (9, 0), 8)
 A100 = Facts("cuda", "NVIDIA A100-SXM4-80GB", (8, 0), 8)
 V100 = Facts("cuda", "Tesla V100-SXM2-16GB", (7, 0), 8)
@@ -122,6 +124,26 @@ def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
     positions = inputs["position_ids"][0].tolist()
     assert positions == [p for n in lengths for p in range(n)]  # restarting at every document
     assert inputs["cu_seq_lens_q"].dtype == torch.int32
+
+
+def test_batches_go_to_a_gpu_pinned_and_asynchronously(tiny, monkeypatch):
+    """A GPU run's batch: each array pinned, then copied without the host waiting for the device's queue (a pageable
+    copy waits for the previous micro-step's backward). The copies are recorded, not made (no GPU here)."""
+    from test_data import data_args
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pinned") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: copies.append((args, kwargs)) or self)
+    flash = argparse.Namespace(_attn_implementation="flash_attention_2")  # no mask: nothing made on the device
+    train.batch([0, 1], tokenizer.pad_token_id, torch.device("cuda"), flash)
+    assert copies == ["pinned", ((torch.device("cuda"),), {"non_blocking": True})] * 3  # targets, inputs, boundaries
+    copies.clear()
+    train.batch([0, 1], tokenizer.pad_token_id, torch.device("cpu"), flash)
+    assert copies == [((torch.device("cpu"),), {})] * 3
+    assert hardware.pinned_copies("cuda") and not hardware.pinned_copies("cpu") and not hardware.pinned_copies("mps")
 
 
 def slurm(procid, ntasks=2, localid=None, **more):

@@ -62,5 +62,6 @@ def test_the_pair_differs_by_what_zero_changes_only():
     """`diff single-gpu.py zero-optimization.py`, blank lines aside, within its budget of changed lines."""
     lines = [[line for line in (ROOT / name).read_text().splitlines() if line.strip()]
              for name in ("single-gpu.py", "zero-optimization.py")]
-    changed = [d for d in difflib.unified_diff(*lines, n=0, lineterm="") if d[:1] in "+-" and d[:3] not in ("+++", "---")]
+    diff = difflib.unified_diff(*lines, n=0, lineterm="")
+    changed = [d for d in diff if d[:1] in "+-" and d[:3] not in ("+++", "---")]
     assert len(changed) <= DIFF_BUDGET, len(changed)

@@ -105,6 +105,7 @@ def test_preflight_passes_on_reachable_hosts_and_names_the_broken_one(cluster, t
     ("unlimited 2 4", "4 GPUs for 8 slots: set 'gpu07 slots=4' in the hostfile"),
     ("unlimited 2 0", "nvidia-smi sees no GPU"),
 ])
+@pytest.mark.quick
 def test_preflight_reads_each_hosts_limits(facts, problem):
     sys.path.insert(0, str(ROOT / "job"))
     import preflight
@@ -119,6 +120,7 @@ def test_preflight_reads_each_hosts_limits(facts, problem):
     ("node1 slots=0\n", "slots must be a positive whole number"),
     ("# only comments\n\n", "lists no hosts"),
 ])
+@pytest.mark.quick
 def test_preflight_rejects_bad_hostfiles(tmp_path, content, message):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(content)
@@ -128,6 +130,7 @@ def test_preflight_rejects_bad_hostfiles(tmp_path, content, message):
     assert "Traceback" not in run.stderr and run.stderr.count("\n") == 1
 
 
+@pytest.mark.quick
 def test_the_shipped_hostfile_parses():
     sys.path.insert(0, str(ROOT / "job"))
     import preflight
@@ -256,6 +259,7 @@ def test_the_slurm_script_requeues_a_run_that_stopped_to_be_resumed(tmp_path, la
     assert script.returncode == (0 if requeued or finished else status), output
 
 
+@pytest.mark.quick
 def test_slurm_script_outside_slurm_says_so(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch")], cwd=ROOT, env=env, capture_output=True,
@@ -263,6 +267,7 @@ def test_slurm_script_outside_slurm_says_so(tmp_path):
     assert run.returncode == 2 and "submit with sbatch" in run.stderr
 
 
+@pytest.mark.quick
 def test_every_shell_script_parses():
     scripts = [*ROOT.glob("job/*.sbatch"), *ROOT.glob("job/*.sh"), *ROOT.glob("bench/*.sh"), ROOT / ".ci" / "run"]
     for script in scripts:
@@ -285,6 +290,7 @@ GPU_MACHINE = {"prebuilt_cpu_adam": False, "prebuilt_aio": False, "cxx": "/usr/b
     ("nvme", {"memlock": 8 << 20, "root": True}, []),
     ("cpu", {"memlock": 8 << 20}, []),  # CPU offload pins through torch (cudaHostAlloc), not mlock
 ])
+@pytest.mark.quick
 def test_offload_preflight_says_what_is_missing(kind, missing, lines):
     sys.path.insert(0, str(ROOT / "job"))
     import preflight

@@ -31,6 +31,7 @@ def adapter(folder):
     return load_file(str(folder / "final" / "adapter" / "adapter_model.safetensors"))
 
 
+@pytest.mark.quick
 def test_only_the_adapters_train_and_the_exports_load(tiny, reference):
     r = results(reference)
     assert 0 < r["trainable_params"] < 0.2 * r["total_params"]
@@ -87,6 +88,7 @@ def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, of
         assert all((final[k] - ref_final[k]).abs().max() <= 1e-5 for k in ref_final)
 
 
+@pytest.mark.quick
 def test_lora_resume_gives_the_uninterrupted_run(tiny, tmp_path, reference):
     out = tmp_path / "run"
     argv = lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
@@ -113,6 +115,7 @@ def test_lora_under_zero3_trains_in_the_runs_16_bits(tiny, tmp_path, reference):
     assert abs(r["losses"][0] - first) < 1e-2 * first
 
 
+@pytest.mark.quick
 def test_the_merge_adds_into_the_gathered_state_and_never_into_the_training_model(tiny, tmp_path):
     """save_final merges the adapters in place: into a state ZeRO-3 gathered (no second copy of the model in rank 0's
     host memory), but never into the weights of a model training on the CPU."""

@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaC
 from finetune import data, loss
 from test_data import data_args
 
+pytestmark = pytest.mark.quick  # in process: `make test-quick`
+
 ARCHITECTURES = {
     "opt (tied)": lambda v: OPTConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
                                       num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,

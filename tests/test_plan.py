@@ -12,6 +12,7 @@ from conftest import check, launch
 GB = 1e9
 
 
+@pytest.mark.quick
 def test_hand_computed_model_states():
     """Per rank, bf16, N = 4 ranks: 16-bit weights b=2; fp32 master + Adam moments 12 bytes; gradients."""
     params = [(1000, True), (24, True)]  # a matrix and a bias (the bias is small: held whole under ZeRO-3)
@@ -27,6 +28,7 @@ def test_hand_computed_model_states():
     assert fp32["after_backward"] == 16 * 1024 and fp32["after_step"] == 12 * 1024  # no separate master
 
 
+@pytest.mark.quick
 def test_nvme_offload_plans_what_it_keeps_in_cpu_memory():
     """ZeRO-3 + NVMe keeps the 16-bit shards and their gradients in CPU memory and pins swap buffers there (planned as
     0 bytes before). The reference: what tests/memory_probe.py --nvme-path counted on this shape (121M parameters,
@@ -41,6 +43,7 @@ def test_nvme_offload_plans_what_it_keeps_in_cpu_memory():
         assert abs(planned["after_backward"] - counted) / counted < 1e-6, (precision, planned, counted)
 
 
+@pytest.mark.quick
 def test_one_gpu_plans_no_saving_from_sharding():
     """On one GPU ZeRO-1/2/3 shard nothing: never planned below ZeRO-0 (the old planner said 124 GiB for ZeRO-2
     against 99 for ZeRO-0), and never recommended over it."""
@@ -63,6 +66,7 @@ def plan_args(model, gpus, memory, *extra):
     return argparse.Namespace(**p)
 
 
+@pytest.mark.quick
 def test_parameter_counts_of_the_opt_shapes():
     assert plan.count_params(plan.load_config("facebook/opt-125m"))[0] == 125_239_296
     assert plan.count_params(plan.load_config("facebook/opt-1.3b"))[0] == 1_315_758_080
@@ -71,12 +75,14 @@ def test_parameter_counts_of_the_opt_shapes():
     assert sum(k for k, t in lora if t) == 12 * 8 * (4 * (768 + 768) + 2 * (768 + 3072))
 
 
+@pytest.mark.quick
 def test_the_chunked_loss_holds_a_chunk_of_logits():
     assert plan.logits_bytes(8 * 512, 50272, "bf16", 0) == 8 * 512 * 50272 * 14  # 2.9 GB: all logits at once
     assert plan.logits_bytes(8 * 512, 50272, "bf16", 1024) == 1024 * 50272 * 6  # 0.3 GB
     assert plan.logits_bytes(8 * 512, 50272, "fp32", 1024) == 1024 * 50272 * 4
 
 
+@pytest.mark.quick
 def test_sequence_parallelism_divides_the_activations_and_lengthens_the_longest_block():
     """Each of N GPUs holds the activations of 1/N of the tokens: at block 8192 over 4 GPUs, those of block 2048 on
     one; the longest block that fits grows as the activations' share of the memory shrinks."""
@@ -90,6 +96,7 @@ def test_sequence_parallelism_divides_the_activations_and_lengthens_the_longest_
         assert 8 * block <= longest[8][option] < 8 * (block + 64), option
 
 
+@pytest.mark.quick
 def test_recommends_the_fastest_option_that_fits(capsys):
     assert plan.main(["--model", "facebook/opt-1.3b", "--gpus", "8", "--gpu-memory", "80"]) == 0
     assert "recommended: ZeRO-0" in capsys.readouterr().out
@@ -104,6 +111,7 @@ def test_recommends_the_fastest_option_that_fits(capsys):
                       "--batch-size", "4", "--gradient-checkpointing"]) in (0, 1)
 
 
+@pytest.mark.quick
 def test_json(capsys):
     assert plan.main(["--model", "facebook/opt-125m", "--gpus", "2", "--gpu-memory", "24", "--precision", "fp32",
                       "--json"]) == 0
@@ -115,6 +123,7 @@ def test_json(capsys):
     assert row["model_states_bytes_per_gpu"] == 4 * 125_239_296 + (4 + 12) * 125_239_296 / 2  # fp32, 2 ranks
 
 
+@pytest.mark.quick
 def test_bad_input(tiny):
     with pytest.raises(SystemExit, match="error: --gpus must be positive"):
         plan.main(["--model", tiny["model"], "--gpus", "0", "--gpu-memory", "80"])

@@ -64,6 +64,7 @@ def test_2_replicas_of_2_ranks_with_zero3_and_lora_train_as_one_process(tiny, tm
     assert_same_weights(weights(tmp_path / "one" / "final"), weights(tmp_path / "four" / "final"), atol=1e-4)
 
 
+@pytest.mark.quick
 def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
     """Rows of 5 tokens over 2 ranks: padded to 6 (a pad at position 0, no loss), 3 tokens each; the targets were
     shifted on the whole row, so together the shards predict the row's tokens, each once."""
@@ -78,6 +79,7 @@ def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
     assert all(s[0][sp.SHARDED] for s in shards) and "attention_mask" not in shards[0][0]
 
 
+@pytest.mark.quick
 def test_the_documents_mask_is_built_from_the_gathered_positions():
     """After the all-to-all, attention sees the whole row: each document (positions restart at 0) attends causally to
     itself only, within the layer's window."""
@@ -104,12 +106,14 @@ def test_the_documents_mask_is_built_from_the_gathered_positions():
     (2, 2, 4, 3, "sdpa", "the model's 3 key/value heads do not split over 2 ranks (nor 2 over them)"),
     (2, 2, 4, 2, "eager", "runs eager attention, which DeepSpeed's Ulysses cannot take over"),
 ])
+@pytest.mark.quick
 def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, message):
     with pytest.raises(SystemExit) as e:
         sp.check(size, world, heads, kv, attention, "Gemma2Config")
     assert str(e.value).startswith("error: ") and message in str(e.value)
 
 
+@pytest.mark.quick
 def test_a_model_whose_layers_mix_tokens_outside_attention_is_one_line():
     """Recurrent or convolution layers (Qwen3-Next's linear attention, LFM2's convolutions), or Llama 4's chunks,
     would see each rank's slice alone: refused. Sliding and MoE layers are attention's or mix nothing."""
@@ -119,6 +123,7 @@ def test_a_model_whose_layers_mix_tokens_outside_attention_is_one_line():
         sp.check(2, 2, 4, 2, "sdpa", "Qwen3NextConfig", ["linear_attention", "full_attention", "conv"])
 
 
+@pytest.mark.quick
 def test_a_model_whose_attention_bypasses_transformers_is_one_line():
     """Attention code of a model's own never reaches the exchange: each shard would attend to itself only."""
     sp.intercepted(True, {sp.SHARDED: True}, "M")  # went through it
@@ -142,6 +147,7 @@ def test_zero3_under_sequence_parallelism_keeps_its_reduce_scatter(tiny, tmp_pat
         zero.deepspeed_config(args, 2, 4, 1, AutoConfig.from_pretrained(tiny["model"]))
 
 
+@pytest.mark.quick
 def test_with_flash_attention_the_documents_laid_end_to_end_are_cut_into_the_shards(tiny):
     """FlashAttention (what a GPU runs): the micro-batch's documents are one row, without padding; under sequence
     parallelism that row is cut into the shards with no boundaries of its own (cu_seq_lens): FlashAttention takes

@@ -1,16 +1,21 @@
 """single-gpu.py, in process: the demo, the batch-split invariance, resume, the export, and bad input."""
+import contextlib
+import gc
 import json
 import math
 import shutil
+import weakref
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (assert_close_losses, assert_same_weights, base_args, independent_loss, load_script, results,
                       weights)
 from finetune import data, hardware, models, training
 
+pytestmark = pytest.mark.quick  # in process: `make test-quick`
 single = load_script("single-gpu.py")
 
 
@@ -179,8 +184,10 @@ def test_wandb_missing_or_logged_out_is_one_line(monkeypatch):
     tracking.check_wandb({"WANDB_API_KEY": "x" * 40})
 
 
-def test_resume_continues_with_identical_losses(tmp_path, tiny):
-    """Bit for bit, with dropout on: the resumed run draws the same dropout masks only if the RNG state came back."""
+def test_resume_continues_with_identical_losses(tmp_path, tiny, monkeypatch):
+    """Bit for bit, with dropout on: the resumed run draws the same dropout masks only if the RNG state came back. And
+    nothing of the checkpoint is kept but what the optimizer holds as its state: no second copy of the weights for
+    the rest of the run (bytes counted when the loop is done)."""
     model = dropout_model(tiny, tmp_path / "dropout-model")
     out = tmp_path / "run"
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--model": str(model)})
@@ -190,7 +197,26 @@ def test_resume_continues_with_identical_losses(tmp_path, tiny):
     crash_after_first_checkpoint(out)
     with pytest.raises(SystemExit, match="holds an unfinished run; pass --resume"):
         single.main(argv)
+    loaded, kept = [], []
+    load, held_bytes = torch.load, models.held_bytes
+
+    def load_and_watch(*args, **kwargs):
+        state = load(*args, **kwargs)
+        loaded.extend(weakref.ref(t) for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+        return state
+
+    def held_after_the_loop(model, optimizer):  # what single-gpu.py calls once the loop is done
+        gc.collect()
+        live = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *tree_leaves(optimizer.state)]
+                if isinstance(t, torch.Tensor)}
+        kept.append(sum(t.nbytes for t in (r() for r in loaded) if t is not None
+                        and t.untyped_storage().data_ptr() not in live))
+        return held_bytes(model, optimizer)
+    monkeypatch.setattr(torch, "load", load_and_watch)
+    monkeypatch.setattr(models, "held_bytes", held_after_the_loop)
     single.main(argv + ["--resume"])
+    monkeypatch.undo()
+    assert loaded and kept == [0]  # the loaded state kept alive would hold the weights again (on a GPU, its memory)
     assert_resumed(out)
     resumed = results(out)
     assert len(resumed["losses"]) == 4
@@ -273,12 +299,16 @@ def test_a_run_that_died_after_its_last_checkpoint_finishes_on_resume(tmp_path, 
 
 def test_fp16_steps_the_schedule_only_when_the_update_happened(tmp_path, tiny, monkeypatch):
     """A loss scale so large that the first gradients overflow: those updates are skipped and, as in DeepSpeed, so
-    is the LR schedule; the first real update then gets the first step's learning rate."""
+    is the LR schedule; the first real update then gets the first step's learning rate. The scale is read once a
+    step."""
     from finetune import training
     monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 20)  # the first gradients overflow fp16
+    reads, get_scale = [], torch.amp.GradScaler.get_scale
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or get_scale(self))
     out = tmp_path / "run"
     single.main(base_args(tiny, out, **{"--precision": "fp16", "--max-steps": 6, "--save-every": 6,
                                         "--warmup-ratio": 0.0}))
+    assert len(reads) == 1 + 6 + 1  # one host sync a step (on a GPU), where two were made; the checkpoint's
     state = torch.load(out / "checkpoints" / "step-6" / "state.pt", weights_only=False)
     scale = state["scaler"]["scale"]
     skipped = round(math.log2(2.0 ** 20 / scale))  # each overflow halved the scale once
@@ -287,7 +317,8 @@ def test_fp16_steps_the_schedule_only_when_the_update_happened(tmp_path, tiny, m
 
 
 def test_a_failed_sample_is_a_line_not_a_failed_run(tmp_path, tiny, monkeypatch, capsys):
-    """Everything is saved before the sample; an out-of-memory there must not turn a finished run into a failed one."""
+    """Everything is saved before the sample; an out-of-memory there must not turn a finished run into a failed one.
+    The trackers' answers at each of the 4 evals fail the same way: said once, at the first."""
     import transformers
 
     def out_of_memory(*args, **kwargs):
@@ -295,6 +326,36 @@ def test_a_failed_sample_is_a_line_not_a_failed_run(tmp_path, tiny, monkeypatch,
 
     monkeypatch.setattr(transformers.GenerationMixin, "generate", out_of_memory)
     out = tmp_path / "run"
-    r = single.main(base_args(tiny, out, **{"--prompt": "The food"}))
+    r = single.main(base_args(tiny, out, **{"--prompt": "The food", "--dataset": tiny["chats"], "--block-size": 64,
+                                            "--eval-every": 1}) + ["--report-to", "tensorboard"])
     assert r["sample"] is None and results(out)["eval_loss"] > 0 and (out / "final" / "model.safetensors").exists()
-    assert "no sample (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "no sample (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)" in said
+    assert len(r["evals"]) == 4 and said.count("no answers for the trackers (RuntimeError: CUDA out of memory") == 1
+
+
+def test_the_sample_and_the_answers_are_generated_in_the_runs_precision(tmp_path, tiny, monkeypatch, capsys):
+    """A bf16 run over fp32 weights gets FlashAttention-2 on a GPU, which refuses fp32 activations: generating
+    outside the run's autocast gave no sample and no eval answers there. Here SDPA stands in for it with its
+    refusal: transformers' own get_target_dtype decides what it would cast a query to, the kernel takes fp16 and
+    bf16 only."""
+    from transformers.integrations.flash_attention import get_target_dtype
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def like_flash_attention(module, query, *args, **kwargs):
+        if (get_target_dtype(query, module) or query.dtype) not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("FlashAttention only supports fp16 and bf16 data type")
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", like_flash_attention)
+    out = tmp_path / "run"
+    r = single.main(base_args(tiny, out, **{"--prompt": "How was the food?", "--dataset": tiny["chats"],
+                                            "--block-size": 64, "--precision": "bf16", "--max-steps": 2})
+                    + ["--report-to", "tensorboard"])
+    said = capsys.readouterr().out
+    assert isinstance(r["sample"], str) and "no answers" not in said and "no sample" not in said, said[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    with pytest.raises(RuntimeError, match="FlashAttention only supports"):  # outside the autocast: refused
+        models._generate(AutoModelForCausalLM.from_pretrained(out / "final"), tokenizer, tokenizer("Hi")["input_ids"],
+                         torch.device("cpu"), contextlib.nullcontext())

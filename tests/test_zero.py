@@ -267,6 +267,7 @@ COLLECTIVES = {"held_bytes", "eval_loss_sums", "evaluate", "sample", "gathered_s
                "save_checkpoint", "load_checkpoint"}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", ["single-gpu.py", ZERO])
 def test_no_rank_waits_on_a_collective_while_rank_0_writes_the_model(script):
     """At the end of a run rank 0 alone writes final/ (save_pretrained, the LoRA merge: minutes for a large model). A
