@@ -147,7 +147,7 @@ class Blocks:
             bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
         if sequence_shard and sequence_shard[1] > 1:
             from . import sequence_parallel
-            return sequence_parallel.shard(ids, positions, labels, *sequence_shard, device)
+            return sequence_parallel.shard(ids, positions, labels, *sequence_shard, device, layout)
         segments = np.cumsum(starts, axis=-1)
         index = hardware.to_device(np.flatnonzero(labels != -100), device)
         ids, positions, labels, segments = hardware.to_device(np.stack([ids, positions, labels, segments]), device)

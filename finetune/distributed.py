@@ -13,8 +13,9 @@ from . import checkpoints, hardware
 from .base import fail
 
 
-def launch_env(environ=None, world_of_one=True):
-    """RANK, LOCAL_RANK and WORLD_SIZE, setting them (and the rendezvous) when no launcher did.
+def launch_env(environ=None, world_of_one=True, visible=None):
+    """RANK, LOCAL_RANK (this process's place on its node: one per node prepares the data) and WORLD_SIZE, setting
+    them (and the rendezvous) when no launcher did.
 
     deepspeed and torchrun set them. `srun python3 zero-optimization.py` starts one process per task with SLURM's
     variables only: without this, each task would be a silent world of one training the same batches into the same
@@ -30,11 +31,13 @@ def launch_env(environ=None, world_of_one=True):
         environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=environ.get("MASTER_PORT", str(port)))
     # DeepSpeed picks the GPU from LOCAL_RANK (the process group's device_id, the engine, ZeRO-3's Init): a process
-    # that sees one GPU only (SLURM's --gpus-per-task) must say 0 there
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # that sees one GPU only (SLURM's --gpus-per-task) must say 0 there; its place on the node stays what it was
+    local_rank = int(environ.get("LOCAL_RANK", 0))
+    if visible is None:
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible:
-        environ["LOCAL_RANK"] = str(hardware.device_index(int(environ.get("LOCAL_RANK", 0)), visible))
-    return int(environ.get("RANK", 0)), int(environ.get("LOCAL_RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+        environ["LOCAL_RANK"] = str(hardware.device_index(local_rank, visible))
+    return int(environ.get("RANK", 0)), local_rank, int(environ.get("WORLD_SIZE", 1))
 
 
 def slurm_env(environ):

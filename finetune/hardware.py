@@ -178,6 +178,15 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def experts_implementation(precision, experts):
+    """The experts' kernel of a mixture of experts: under autocast (single-gpu.py's bf16 and fp16 over fp32 weights)
+    one that computes them in 16 bits, as autocast does a Linear. transformers' grouped_mm is not autocast-enabled: it
+    casts the tokens to the fp32 experts' weights, and torch's _grouped_mm, whose fast path on a GPU takes bf16 only,
+    falls back to an fp32 loop over the experts with a host sync per layer (GroupedMMUtils.h). None: transformers'
+    default (fp32 runs; the ZeRO engine's 16-bit weights, under no autocast, take it unchanged)."""
+    return "grouped_mm_autocast" if experts and precision in AUTOCAST_DTYPES else None
+
+
 def experts_per_token(config):
     """(experts, experts a token is routed to) of a mixture-of-experts model, or (None, None)."""
     text = text_config(config)

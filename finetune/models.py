@@ -57,10 +57,40 @@ def load_causal_lm(args, config, device, **kwargs):
                                         getattr(architecture, "_supports_flash_attn", False),
                                         getattr(architecture, "_compatible_flash_implementations", None))
     extra = {"attn_implementation": implementation} if implementation else {}
+    experts = hardware.experts_implementation(args.precision, hardware.experts_per_token(config)[0])
+    if experts:
+        register_autocast_experts()
+        extra["experts_implementation"] = experts
     # LoRA in 16 bits: the frozen base is loaded in 16 bits (half the memory, on the CPU too); the adapters peft adds
     # are fp32
     dtype = hardware.AUTOCAST_DTYPES.get(args.precision, torch.float32) if args.lora_rank else torch.float32
     return load_pretrained(AutoModelForCausalLM, args.model, dtype=dtype, **extra, **kwargs)
+
+
+class _WeightsIn:
+    """An experts module seen with its floating parameters in `dtype`: a differentiable cast, as autocast makes of a
+    Linear's weight (the gradient reaches the fp32 parameter in fp32)."""
+
+    def __init__(self, module, dtype):
+        self._module, self._dtype = module, dtype
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        is_weight = isinstance(value, torch.nn.Parameter) and value.is_floating_point()
+        return value.to(self._dtype) if is_weight else value
+
+
+def register_autocast_experts():
+    """transformers' grouped_mm experts (integrations/moe.py), their weights cast to the autocast dtype where autocast
+    is on (hardware.experts_implementation): what it is registered as in transformers' ExpertsInterface."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+    def forward(experts, hidden_states, *args, **kwargs):
+        device = hidden_states.device.type
+        if torch.is_autocast_enabled(device):
+            experts = _WeightsIn(experts, torch.get_autocast_dtype(device))
+        return grouped_mm_experts_forward(experts, hidden_states, *args, **kwargs)
+    ALL_EXPERTS_FUNCTIONS.register("grouped_mm_autocast", forward)
 
 
 def load_tokenizer(name, **kwargs):

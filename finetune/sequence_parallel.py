@@ -6,9 +6,10 @@ states over all the ranks.
 
 What DeepSpeed's wrapper lacks, written here:
 - the documents' isolation: it drops the attention mask, so SDPA would let packed documents attend to each other.
-  Each rank's shard carries its position_ids, which restart at every document; the wrapper gathers them, and the
-  attention here builds the documents' causal mask (with the layer's sliding window) from them. FlashAttention
-  takes the boundaries from the same gathered positions itself (varlen).
+  The host knows where each document of the whole row begins (shard()): with SDPA each shard carries every token's
+  document, and the attention here builds the documents' causal mask (with the layer's sliding window) once per
+  forward, in the query's dtype, one tensor for every layer and its backward; FlashAttention gets the row's
+  boundaries (cu_seq_lens, as without SP), so that no layer derives them on the device.
 - the batches: our blocks are shifted and masked on the host; a row is padded to a multiple of N (pads: position 0,
   no loss, a segment of their own), and each rank takes its slice of tokens and of targets, so no label crosses a
   shard.
@@ -28,6 +29,7 @@ from . import hardware
 from .base import fail
 
 SHARDED = "sequence_sharded"  # the batch key that marks a training batch cut into sequence shards
+DOCUMENTS, PLAIN = "sp_documents", "sp_one_document_a_row"  # SDPA: each token's document in the whole rows; no mask
 
 
 def setup(args, model, world_size, batch_rows):
@@ -49,8 +51,9 @@ def setup(args, model, world_size, batch_rows):
     parallel_state_sp.initialize_sequence_parallel(size)
     core = ALL_ATTENTION_FUNCTIONS[implementation]
     head_size = getattr(text, "head_dim", None) or text.hidden_size // heads
+    masks = {}  # this forward's documents' masks (documents_attention), released at its end
     ulysses = UlyssesSPAttentionHF(
-        attn=documents_attention(core) if implementation == "sdpa" else core, batch_size=batch_rows,
+        attn=documents_attention(core, masks) if implementation == "sdpa" else core, batch_size=batch_rows,
         attn_head_count=heads, attn_head_size=head_size, kv_head_count=kv_heads,
         num_hidden_layers=text.num_hidden_layers, process_group=parallel_state_sp.get_sequence_parallel_group(),
         seq_length_is_variable=True)
@@ -70,8 +73,9 @@ def setup(args, model, world_size, batch_rows):
 
     ALL_ATTENTION_FUNCTIONS[implementation] = attention
     name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__  # under LoRA too
-    model.register_forward_hook(
-        lambda module, args, kwargs, output: intercepted(exchanged["yes"], kwargs, name), with_kwargs=True)
+    model.register_forward_hook(  # the backward keeps what it needs of the mask
+        lambda module, args, kwargs, output: masks.clear() or intercepted(exchanged["yes"], kwargs, name),
+        with_kwargs=True)
     return Groups()
 
 
@@ -132,36 +136,51 @@ def check(size, world_size, heads, kv_heads, implementation, model, layer_types=
              f"over (it needs SDPA or FlashAttention); train it without --sequence-parallel")
 
 
-def documents_attention(sdpa):
-    """SDPA over the whole sequence (after the all-to-all) with the documents' causal mask, built from the gathered
-    position_ids (a document starts where its position is 0), with the layer's sliding window if it has one."""
-    def attention(module, query, key, value, attention_mask, *args, position_ids=None, **kwargs):
-        starts = position_ids == 0
+def documents_attention(sdpa, masks):
+    """SDPA over the whole sequence (after the all-to-all) with the documents' causal mask, from each token's document
+    (shard(): DOCUMENTS), with the layer's sliding window if it has one. The mask is the same for every layer: built
+    once per forward and window into `masks` (which the model's forward hook empties), additive in the query's dtype
+    (SDPA would turn a boolean mask into such a tensor in every layer, and keep each for the backward). No host sync."""
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        documents, plain = kwargs.pop(DOCUMENTS), kwargs.pop(PLAIN)
         window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)  # models pass it, or keep it
-        if not window and int(starts.sum()) == starts.shape[0] and bool(starts[:, 0].all()):
-            # one document a row (a stream of text cut into blocks): plain causal attention, no mask to build
-            return sdpa(module, query, key, value, None, *args, position_ids=position_ids, is_causal=True, **kwargs)
-        segments = torch.cumsum(starts, dim=-1)
-        n = position_ids.shape[-1]
-        i = torch.arange(n, device=position_ids.device)
-        allowed = (segments[:, :, None] == segments[:, None, :]) & (i[:, None] >= i[None, :])
-        if window:
-            allowed &= i[:, None] - i[None, :] < window
-        return sdpa(module, query, key, value, allowed[:, None], *args, position_ids=position_ids, **kwargs)
+        if not window and plain:  # one document a row (a stream of text cut into blocks): no mask to build
+            return sdpa(module, query, key, value, None, *args, is_causal=True, **kwargs)
+        if masks.get("documents") is not documents:  # a new forward's
+            masks.clear()
+            masks["documents"] = documents
+        if (window, query.dtype) not in masks:
+            i = torch.arange(documents.shape[-1], device=documents.device)
+            allowed = (documents[:, :, None] == documents[:, None, :]) & (i[:, None] >= i[None, :])
+            if window:
+                allowed &= i[:, None] - i[None, :] < window
+            masks[window, query.dtype] = torch.zeros(allowed.shape, dtype=query.dtype, device=allowed.device
+                                                     ).masked_fill_(~allowed, float("-inf"))[:, None]
+        return sdpa(module, query, key, value, masks[window, query.dtype], *args, **kwargs)
     return attention
 
 
-def shard(ids, positions, labels, rank, size, device):
+def shard(ids, positions, labels, rank, size, device, layout="bool"):
     """This rank's shard of a training batch (Blocks.batch's token ids, positions and shifted targets, on the host):
     the rows padded to a multiple of `size` tokens (a pad: position 0, no loss, a segment of its own), then cut into
     `size` slices; the rank of an SP group takes its slice. The targets were shifted on the whole row, so the shards
-    together predict exactly the row's tokens. Returns the model's inputs and the loss targets, as Blocks.batch."""
+    together predict exactly the row's tokens. With them, where the documents of the whole rows begin, which every
+    rank's attention sees after the all-to-all: FlashAttention's boundaries (`layout` varlen: one row), or SDPA's
+    tokens' documents. Returns the model's inputs and the loss targets, as Blocks.batch."""
     width = ids.shape[1]
     padded = math.ceil(width / size) * size
     pad = lambda x, value: np.pad(x, ((0, 0), (0, padded - width)), constant_values=value)  # noqa: E731
     ids, positions, labels = pad(ids, 0), pad(positions, 0), pad(labels, -100)
+    starts = positions == 0
+    if layout == "varlen":
+        bounds = np.append(np.flatnonzero(starts[0]), padded).astype(np.int32)
+        cu, longest = hardware.to_device(bounds, device), int(np.diff(bounds).max())
+        whole = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    else:
+        whole = {DOCUMENTS: hardware.to_device(np.cumsum(starts, axis=1), device),
+                 PLAIN: bool(starts.sum() == starts.shape[0] and starts[:, 0].all())}
     piece = slice(rank * (padded // size), (rank + 1) * (padded // size))
     ids, positions, labels = ids[:, piece], positions[:, piece], labels[:, piece]
     index = hardware.to_device(np.flatnonzero(labels != -100), device)
     ids, positions, labels = hardware.to_device(np.stack([ids, positions, labels]), device)
-    return {"input_ids": ids, "position_ids": positions, "use_cache": False, SHARDED: True}, (labels, index)
+    return {"input_ids": ids, "position_ids": positions, "use_cache": False, SHARDED: True, **whole}, (labels, index)

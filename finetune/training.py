@@ -319,15 +319,23 @@ def profile(step, first=4, steps=4):
     folder = os.environ.get("TRAIN_PROFILE")
     if not folder or step not in (first, first + steps):
         return
+    activities, sort = profiled(torch.cuda.is_available())
     if step == first:
-        profile.active = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False)
+        profile.active = torch.profiler.profile(activities=activities, record_shapes=False)
         profile.active.__enter__()
         return
     profile.active.__exit__(None, None, None)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     Path(folder).mkdir(parents=True, exist_ok=True)
-    table = profile.active.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    table = profile.active.key_averages().table(sort_by=sort, row_limit=25)
     (Path(folder) / f"profile-rank{rank}.txt").write_text(table)
+
+
+def profiled(cuda):
+    """What TRAIN_PROFILE records, and what its table is sorted by: on a GPU its kernels too (a CPU-only profile of a
+    GPU run shows the launches, not the work), by their time."""
+    cpu, gpu = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    return ([cpu, gpu], "self_device_time_total") if cuda else ([cpu], "self_cpu_time_total")
 
 
 def peak_memory_bytes(device):

@@ -47,6 +47,15 @@ def test_device_from_local_rank_or_the_only_gpu_this_process_sees(local_rank, vi
     assert hardware.device_index(local_rank, visible) == index
 
 
+def test_a_process_that_sees_one_gpu_keeps_its_place_on_the_node():
+    """SLURM's --gpus-per-task=1: each of 8 processes sees one GPU. DeepSpeed must read LOCAL_RANK 0 (its only GPU);
+    the scripts keep the process's place on its node, so the data is prepared by one process a node, not by all."""
+    environ = {"RANK": "11", "LOCAL_RANK": "3", "WORLD_SIZE": "16"}
+    assert distributed.launch_env(environ, visible=1) == (11, 3, 16) and environ["LOCAL_RANK"] == "0"
+    environ = {"RANK": "11", "LOCAL_RANK": "3", "WORLD_SIZE": "16"}
+    assert distributed.launch_env(environ, visible=8) == (11, 3, 16) and environ["LOCAL_RANK"] == "3"
+
+
 def test_more_processes_than_gpus_is_one_line():
     with pytest.raises(SystemExit, match="LOCAL_RANK 4 but sees 4 GPUs"):
         hardware.device_index(4, 4)
@@ -266,3 +275,46 @@ def test_mixtures_of_experts_are_zero3_leaf_modules_found_by_their_structure(tmp
     (tmp_path / "ds.json").write_text(json.dumps(own))
     args.deepspeed = str(tmp_path / "ds.json")
     assert zero.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"] == {"classes": []}
+
+
+def test_a_mixture_of_experts_computes_its_experts_in_the_runs_16_bits(tmp_path, monkeypatch):
+    """single-gpu.py's bf16 is autocast over fp32 weights, which transformers' grouped_mm experts do not follow: they
+    cast the tokens to the fp32 weights (on a GPU, torch's fp32 fallback: a loop over the experts, host syncs). With
+    the experts' kernel load_causal_lm picks for such a run, the experts' matmuls take bf16 operands and the fp32
+    weights get fp32 gradients; the exported config names no kernel of ours."""
+    from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig
+
+    from finetune import models
+
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=32)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    assert hardware.experts_implementation("bf16", 4) == hardware.experts_implementation("fp16", 4) \
+        == "grouped_mm_autocast"
+    assert hardware.experts_implementation("fp32", 4) is None and hardware.experts_implementation("bf16", None) is None
+    seen, grouped_mm = [], torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm",
+                        lambda a, b, **kwargs: seen.append((a.dtype, b.dtype)) or grouped_mm(a, b, **kwargs))
+    operands = {}
+    for precision in ("fp32", "bf16"):  # fp32: transformers' default kernel, as every run had it
+        args = argparse.Namespace(model=str(tmp_path), precision=precision, lora_rank=0)
+        model = models.load_causal_lm(args, AutoConfig.from_pretrained(tmp_path), torch.device("cpu"))
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=torch.arange(16).view(2, 8)).logits
+        logits.float().sum().backward()
+        operands[precision] = set(seen)
+    assert operands == {"fp32": {(torch.float32, torch.float32)}, "bf16": {(torch.bfloat16, torch.bfloat16)}}
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == experts.gate_up_proj.grad.dtype == torch.float32
+    assert experts.gate_up_proj.grad.abs().sum() > 0 and experts.down_proj.grad.abs().sum() > 0
+    assert "grouped_mm_autocast" not in model.config.to_json_string()
+
+
+def test_a_gpu_runs_profile_records_its_kernels():
+    from finetune import training
+
+    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    assert training.profiled(True) == ([cpu, cuda], "self_device_time_total")
+    assert training.profiled(False) == ([cpu], "self_cpu_time_total")

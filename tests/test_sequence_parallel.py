@@ -77,27 +77,37 @@ def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
     assert [s[1][0].tolist() for s in shards] == [[[11, 12, -100], [-100, 22, 23]], [[14, -100, -100], [24, -100, -100]]]
     assert [s[1][1].tolist() for s in shards] == [[0, 1, 4, 5], [0, 3]]  # where the loss is, in each shard
     assert all(s[0][sp.SHARDED] for s in shards) and "attention_mask" not in shards[0][0]
+    # each token's document in the whole padded rows, what every rank's attention sees after the all-to-all
+    assert all(s[0][sp.DOCUMENTS].tolist() == [[1, 1, 1, 2, 2, 3], [1, 1, 1, 1, 1, 2]] for s in shards)
+    assert not any(s[0][sp.PLAIN] for s in shards)
 
 
 @pytest.mark.quick
-def test_the_documents_mask_is_built_from_the_gathered_positions():
-    """After the all-to-all, attention sees the whole row: each document (positions restart at 0) attends causally to
-    itself only, within the layer's window."""
-    seen = {}
+def test_the_documents_mask_is_built_once_per_forward_from_the_hosts_documents():
+    """After the all-to-all, attention sees the whole row: each document attends causally to itself only, within the
+    layer's window. The mask is the same for every layer: built once per forward, in the query's dtype (one tensor
+    for every layer's backward), from the documents the host found (no host sync)."""
+    seen, masks = [], {}
+    attention = sp.documents_attention(lambda module, q, k, v, mask, *a, **kw: seen.append((mask, kw)), masks)
+    query = torch.zeros(1, 1, 7, 2, dtype=torch.bfloat16)
 
-    def sdpa(module, q, k, v, mask, *args, **kwargs):
-        seen["mask"], seen["causal"] = mask, kwargs.get("is_causal")
-        return None, None
+    one = torch.tensor([[1, 1, 1, 1], [2, 2, 2, 2]])  # a document a row (a stream cut into blocks): no mask to build
+    attention(torch.nn.Module(), query, None, None, None, **{sp.DOCUMENTS: one, sp.PLAIN: True})
+    assert seen[-1][0] is None and seen[-1][1]["is_causal"] is True
 
-    one = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])  # a document a row (a stream cut into blocks): no mask to build
-    sp.documents_attention(sdpa)(torch.nn.Module(), None, None, None, None, position_ids=one)
-    assert seen == {"mask": None, "causal": True}
-
-    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0]])
-    sp.documents_attention(sdpa)(torch.nn.Module(), None, None, None, None, position_ids=positions, sliding_window=2)
-    allowed = seen["mask"][0, 0].int().tolist()
+    documents = torch.tensor([[1, 1, 1, 1, 2, 2, 3]])  # positions 0 1 2 3 0 1 0
+    for layer in range(4):
+        attention(torch.nn.Module(), query, None, None, None, sliding_window=2, **{sp.DOCUMENTS: documents,
+                                                                                   sp.PLAIN: False})
+    mask = seen[-1][0]
+    assert all(m is mask for m, _ in seen[-4:]) and mask.dtype == torch.bfloat16  # one mask for the 4 layers
+    allowed = (mask[0, 0] == 0).int().tolist()
     assert allowed == [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0],
                        [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 1]]
+    assert set(mask[0, 0].flatten().tolist()) == {0.0, float("-inf")}
+    attention(torch.nn.Module(), query, None, None, None, sliding_window=2, **{sp.DOCUMENTS: documents.clone(),
+                                                                               sp.PLAIN: False})
+    assert seen[-1][0] is not mask  # the next forward's documents: its own mask
 
 
 @pytest.mark.parametrize("size, world, heads, kv, attention, message", [
@@ -150,9 +160,9 @@ def test_zero3_under_sequence_parallelism_keeps_its_reduce_scatter(tiny, tmp_pat
 @pytest.mark.quick
 def test_with_flash_attention_the_documents_laid_end_to_end_are_cut_into_the_shards(tiny):
     """FlashAttention (what a GPU runs): the micro-batch's documents are one row, without padding; under sequence
-    parallelism that row is cut into the shards with no boundaries of its own (cu_seq_lens): FlashAttention takes
-    them from the gathered positions, which restart at each document (transformers' flash utils, varlen from
-    position_ids)."""
+    parallelism that row is cut into the shards, and each carries the whole row's boundaries (cu_seq_lens, padded
+    to a multiple of the ranks: each pad a document of its own), which FlashAttention takes after the all-to-all
+    rather than derive them from the gathered positions in every layer (transformers' flash utils)."""
     from types import SimpleNamespace
 
     from finetune import data, models
@@ -164,8 +174,11 @@ def test_with_flash_attention_the_documents_laid_end_to_end_are_cut_into_the_sha
     whole, (targets, _) = train.batch(rows, 0, torch.device("cpu"), flash)
     assert "cu_seq_lens_q" in whole and whole["input_ids"].shape[0] == 1
     shards = [train.batch(rows, 0, torch.device("cpu"), flash, sequence_shard=(rank, 2)) for rank in (0, 1)]
-    assert all("cu_seq_lens_q" not in s[0] and s[0]["input_ids"].shape[0] == 1 for s in shards)
     joined = torch.cat([s[0]["input_ids"] for s in shards], dim=1)
     width = whole["input_ids"].shape[1]
+    cu = whole["cu_seq_lens_q"].tolist() + list(range(width + 1, joined.shape[1] + 1))  # then the pads, one each
+    for shard, _ in shards:
+        assert shard["input_ids"].shape[0] == 1 and shard["cu_seq_lens_q"].tolist() == cu
+        assert shard["max_length_q"] == shard["max_length_k"] == whole["max_length_q"]
     assert torch.equal(joined[:, :width], whole["input_ids"]) and (joined[:, width:] == 0).all()
     assert torch.equal(torch.cat([s[1][0] for s in shards], dim=1)[:, :width], targets)
