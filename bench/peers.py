@@ -122,8 +122,7 @@ def main():
             "steady": steady, "train_tokens": useful, "losses": [out.training_loss], "world_size": world_size,
             "global_batch_size": args.batch_size * world_size, "steps": args.steps,
             "peak_memory_bytes": training.peak_memory_bytes(torch.device("cuda" if cuda else "cpu"))})
-    distributed.remove_shm_buffer()
 
 
 if __name__ == "__main__":
-    main()
+    distributed.run_distributed(main)  # as the scripts end: its shared-memory buffer removed, gloo's teardown skipped

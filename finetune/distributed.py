@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoints, hardware
+from . import checkpoints, hardware, tracking
 from .base import fail
 
 
@@ -104,6 +104,8 @@ def run_distributed(main):
         reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
         raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
                          f"answering; see the launcher's log for which, then rerun with --resume")
+    finally:  # however the run ends, what the trackers were given is written (the exit below skips the atexit's)
+        tracking.close_all()
     if code and torch.distributed.is_initialized():  # stopped by a signal: main() did not reach its own
         torch.distributed.destroy_process_group()
     remove_shm_buffer()

@@ -1,9 +1,13 @@
 """Experiment trackers (--report-to tensorboard wandb): rank 0 writes what the log lines say, under the metric names
 the HF Trainer uses (train/loss, eval/loss, ...), so runs of this template and of Trainer-based scripts sit side by
 side in one dashboard. A resumed run continues the same curves."""
+import atexit
+import contextlib
+import io
 import json
 import os
 import secrets
+import sys
 from pathlib import Path
 
 from .base import fail
@@ -11,9 +15,14 @@ from .base import fail
 TRACKERS = ("none", "tensorboard", "wandb")
 
 
+OPEN = []  # the Trackers of this process that are open: close_all() closes them however the run ends
+
+
 class Trackers:
     """The trackers --report-to names, opened on rank 0 at the first metric (after a resume has restored the step),
-    flushed at every write (a run that is killed keeps what it logged) and closed at the end."""
+    and closed however the run ends (close_all): finished, stopped by a signal, failed. TensorBoard is flushed at
+    every write, so a SIGKILL (nothing can run then) loses none of it; W&B hands its records to its own service
+    process, which writes them in batches and as the run finishes: a SIGKILL loses what it had not written yet."""
 
     def __init__(self, names, out, args, rank):
         self.names = [n for n in names if n != "none"]
@@ -24,6 +33,7 @@ class Trackers:
     def open(self, step):
         """`step`: the last step already done (0, or the step resumed from)."""
         self.writers = {}
+        OPEN.append(self)
         if "tensorboard" in self.names:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -82,15 +92,33 @@ class Trackers:
             else:
                 writer.finish()
         self.writers = None if not self.names else {}
+        if self in OPEN:
+            OPEN.remove(self)
 
 
-def check_wandb(environ):
-    """W&B is optional: a missing package or login is one line at the start, not a traceback at the first log."""
+def close_all():
+    """Close the trackers still open, before the process leaves, however it leaves (distributed.run_distributed; at
+    the interpreter's exit for single-gpu.py): a ZeRO run stopped by a signal leaves with os._exit, and its W&B
+    records would never be written."""
+    for trackers in list(OPEN):
+        trackers.close()
+
+
+atexit.register(close_all)
+
+
+def check_wandb(environ, say=True):
+    """W&B is optional: a missing package or login is one line at the start, not a traceback at the first log. Every
+    rank checks (none goes on into a collective that the others left), and the one that says it is rank 0 (`say`)."""
+    stop = fail if say else lambda message: sys.exit(1)
     try:
         import wandb
     except ImportError:
-        fail("--report-to wandb: the wandb package is not installed; pip install wandb, or leave wandb out")
+        stop("--report-to wandb: the wandb package is not installed; pip install wandb, or leave wandb out")
     offline = environ.get("WANDB_MODE") in ("offline", "disabled") or environ.get("WANDB_DISABLED") == "true"
-    if not offline and not environ.get("WANDB_API_KEY") and not wandb.api.api_key:
-        fail("--report-to wandb: not logged in to W&B; run `wandb login`, set WANDB_API_KEY, or set "
-             "WANDB_MODE=offline to write the run locally (`wandb sync` uploads it later)")
+    if not offline and not environ.get("WANDB_API_KEY"):
+        with contextlib.redirect_stderr(io.StringIO()):  # its own lines about the credentials it found
+            logged_in = wandb.login(prompt=False, verify=False)  # the netrc's key; no network (verify), no prompt
+        if not logged_in:
+            stop("--report-to wandb: not logged in to W&B; run `wandb login`, set WANDB_API_KEY, or set "
+                 "WANDB_MODE=offline to write the run locally (`wandb sync` uploads it later)")

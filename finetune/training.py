@@ -65,8 +65,8 @@ def check_args(args, max_positions):
         fail("set --epochs or --max-steps to a positive number")
     if not 0 < args.eval_fraction < 1:
         fail(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
-    if "wandb" in args.report_to and os.environ.get("RANK", "0") == "0":  # rank 0 alone writes to W&B
-        tracking.check_wandb(os.environ)
+    if "wandb" in args.report_to:  # rank 0 alone writes to W&B, and says what is missing
+        tracking.check_wandb(os.environ, say=os.environ.get("RANK", "0") == "0")
     if args.final == "best" and not args.save_every:
         fail("--final best exports the checkpoint with the lowest eval loss: set --save-every (a multiple of "
              "--eval-every) so that there are checkpoints to choose from")

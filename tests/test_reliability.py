@@ -1,5 +1,6 @@
 """Crashes, signals and hangs under the real launchers: a killed, signalled or stalled rank ends the job in bounded
 time with one line, and the run resumes to the uninterrupted one (checkpoints themselves: test_checkpoints.py)."""
+import json
 import os
 import pickle
 import signal
@@ -32,8 +33,11 @@ def rank_pid(launcher, rank, timeout=60):
     deadline = time.time() + timeout
     while time.time() < deadline:
         for child in psutil.Process(launcher.pid).children(recursive=True):
-            if f"--local_rank={rank}" in " ".join(child.cmdline()):
-                return child.pid
+            try:
+                if f"--local_rank={rank}" in " ".join(child.cmdline()):
+                    return child.pid
+            except psutil.Error:  # a rank that has exited (a zombie until the launcher reaps it)
+                continue
         time.sleep(0.1)
     raise AssertionError(f"rank {rank} never started")
 
@@ -220,6 +224,46 @@ def test_a_killed_or_signalled_run_resumes_to_the_uninterrupted_run_under_every_
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-50", "step-55", "step-60"]
 
 
+def wandb_history(out):
+    """{step: [the metrics logged at it]} of every W&B run under <out>/wandb, read with wandb's own reader."""
+    history = {}
+    for folder in sorted((out / "wandb").glob("offline-run-*")):
+        records = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(folder)],
+                                 capture_output=True, text=True, check=True).stdout
+        for record in map(json.loads, records.splitlines()):
+            if record.get("type") == "history":
+                history.setdefault(record["history"]["item"]["_step"], []).append(record["history"]["item"])
+    return history
+
+
+def test_a_run_stopped_by_a_signal_keeps_its_wandb_history_and_the_resume_continues_it(tiny, tmp_path):
+    """zero-optimization.py (a world of one: it leaves with os._exit, as every ZeRO rank on a CPU does) with W&B
+    offline: SIGUSR1 after its step-10 checkpoint stops it (exit 75), and `--resume auto` finishes it. wandb's own
+    reader finds in the run's files every step's loss once and every eval, as results.json has them (the stopped
+    part's records were lost: its tracker was never finished)."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    argv = base_args(tiny, out, **{"--max-steps": 60, "--eval-every": 10, "--save-every": 10, "--zero-stage": 2})
+    argv += ["--deepspeed", "--report-to", "wandb", "--resume", "auto"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    run = subprocess.Popen([sys.executable, "zero-optimization.py", *argv], cwd=ROOT, env=env, stdout=open(log, "w"),
+                           stderr=subprocess.STDOUT)
+    try:
+        wait_for(out / "checkpoints" / "latest", run)
+        run.send_signal(signal.SIGUSR1)
+        assert run.wait(timeout=60) == checkpoints.STOPPED, log.read_text()[-3000:]
+    finally:
+        stop_everything(run)
+    stopped = int((out / "checkpoints" / "latest").read_text().split("-")[1])
+    assert 10 <= stopped < 60 and not (out / "results.json").exists()
+    check(launch("forked-python", "zero-optimization.py", argv, env={"WANDB_MODE": "offline"}))
+    r, history = results(out), wandb_history(out)
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 2 and sorted(history) == list(range(1, 61))
+    assert all(len(items) == 1 for items in history.values())  # every step once
+    assert_close_losses(r["losses"], [history[step][0]["train/loss"] for step in range(1, 61)], rtol=1e-6)
+    assert [(step, value) for step, value in r["evals"]] == [
+        (step, pytest.approx(history[step][0]["eval/loss"], rel=1e-9)) for step in range(10, 61, 10)]
+
+
 def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_times_out(tiny, tmp_path):
     """3 ranks, --dist-timeout 12: after step 3 rank 1 stops in place (FINETUNE_TEST_STALL, a switch for tests) and
     rank 2 freezes (SIGSTOP, as a frozen node: its watchdog cannot report); rank 0 waits for them in the next
@@ -230,6 +274,8 @@ def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_time
     launcher = start(long_run(tiny, out, "--dist-timeout", "12"), tmp_path / "log", ranks=3,
                      FINETUNE_TEST_STALL="1:3,2:3:freeze")
     try:
+        wait_for(out / "hang" / "summary.txt", launcher)  # rank 0's line; the frozen rank, killed now, would be
+        os.kill(rank_pid(launcher, 2), signal.SIGKILL)  # by the launcher 30 s after its SIGTERM
         launcher.wait(timeout=120)
     finally:
         stop_everything(launcher)
