@@ -73,8 +73,8 @@ class Watchdog:
     their collectives are bounded by --dist-timeout) and before the first step ends (start-up, compilation)."""
 
     def __init__(self, out, dist_timeout, rank, ranks, store=None, poll=1.0):
-        self.out, self.seconds, self.rank, self.ranks, self.store = Path(out), threshold(dist_timeout), rank, ranks, store
-        self.dist_timeout, self.poll = dist_timeout, poll
+        self.out, self.rank, self.ranks, self.store, self.poll = Path(out), rank, ranks, store, poll
+        self.dist_timeout, self.seconds = dist_timeout, threshold(dist_timeout)
         self.step, self.last, self.last_wall, self.paused = 0, None, None, False
         self.main = threading.main_thread()
         global active
