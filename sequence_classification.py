@@ -240,7 +240,7 @@ def main(argv=None):
     timeout = distributed.collective_settings(args)  # before any process group: the bound on every collective
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         deepspeed.init_distributed(timeout=timeout)
-    stop = StopOnSignal(checkpoints.Stop())  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
+    stop = StopOnSignal(checkpoints.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
 
     # -------------------------------------------------------------------------------- data
     train, evaluation = data.load_splits(args.dataset, seed=args.seed)

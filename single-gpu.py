@@ -123,7 +123,7 @@ def main(argv=None):
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()
     stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
-    stop = checkpoints.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
+    stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
     if folder:  # into the model, the optimizer, the schedule and the scaler; nothing of the file is kept
         stats.restore(checkpoints.load_state(folder, model, optimizer, scheduler, scaler, device))
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")

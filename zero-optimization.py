@@ -103,7 +103,7 @@ def main(argv=None):
     device = hardware.first_device(local_rank)  # this process's GPU, made current before anything touches CUDA
     say = tqdm.write if rank == 0 else (lambda *a, **k: None)
     training.quiet(args.verbose, rank)
-    deepspeed.init_distributed(timeout=distributed.collective_settings(args))  # ZeRO: nccl or gloo; timeouts, flight recorder
+    distributed.init_distributed(args)  # ZeRO: the process group, nccl or gloo; its timeouts, flight recorder
     args.precision = hardware.choose_precision(args.precision, hardware.facts(device))  # To-Do: --precision
     hardware.set_matmul_precision(args.precision)
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
@@ -141,7 +141,7 @@ def main(argv=None):
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
     zero.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, ZeRO-0's gradient norm
     stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
-    stop = checkpoints.Stop()  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end, its checkpoint written
+    stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards
         zero.after_load(model, folder, rank, args, state["stats"]["step"], device)  # ZeRO: RNG per rank, ...

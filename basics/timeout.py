@@ -15,14 +15,14 @@ import torch.distributed as dist  # noqa: E402
 
 import world  # noqa: E402
 
-TIMEOUT_S = 5
+TIMEOUT_S = 3
 rank, world_size, device = world.init(timeout_s=TIMEOUT_S)
 absent = world_size - 1
 dist.barrier()  # everyone is here so far
 
 if rank == absent:
     world.log("skipping the all_reduce (as a crashed or stuck rank would)")
-    time.sleep(TIMEOUT_S + 5)  # stay alive: the others must notice by their timeout, not by a closed socket
+    time.sleep(TIMEOUT_S + 3)  # stay alive: the others must notice by their timeout, not by a closed socket
     os._exit(0)
 
 start = time.perf_counter()

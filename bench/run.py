@@ -94,12 +94,17 @@ def model_folder(name, out):
     return folder
 
 
+def execute(cmd, env):
+    """Run one benchmark command; the tests replace it to fork the ranks from an already-imported parent."""
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+
+
 def launch(cmd, folder, probe=False):
     """The run's results.json; for a probe that failed, the reason (its last error line) instead."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     if not torch.cuda.is_available():
         env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = execute(cmd, env)
     if done.returncode and probe:
         lines = [line for line in (done.stdout + done.stderr).splitlines() if "Error" in line or "error:" in line]
         return (lines[-1] if lines else f"exit {done.returncode}").strip()[-120:]

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from . import hangs
-from .base import ROOT, fail
+from .base import ROOT, fail, write_json
 
 STOPPED = 75  # the exit status of a run a signal stopped, its checkpoint written: resume it (EX_TEMPFAIL)
+STOPPED_FILE = "stopped.json"  # in the output folder, beside that checkpoint: job/slurm.sbatch requeues on it
 
 
 def prepare_output_dir(path, overwrite, resume, rank):
@@ -165,10 +166,15 @@ class Stop:
     """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
     --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank
     stops at the same step, writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal
-    changes nothing; a kill during the save leaves the previous checkpoint as `latest` (publish_checkpoint)."""
+    changes nothing; a kill during the save leaves the previous checkpoint as `latest` (publish_checkpoint).
 
-    def __init__(self):
-        self.signal, self.world = None, None
+    `out`/stopped.json says so after the checkpoint (rank 0 writes it; a run that starts removes it): what a batch
+    script reads to requeue the job, whatever exit status a launcher made of 75 on the way."""
+
+    def __init__(self, out):
+        self.signal, self.world, self.marker = None, None, Path(out) / STOPPED_FILE
+        if os.environ.get("RANK", "0") == "0":
+            self.marker.unlink(missing_ok=True)
         for number in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(number, self._ask)
 
@@ -204,6 +210,8 @@ class Stop:
         if ranks > 1:
             torch.distributed.barrier(group=group)
         name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
+        if os.environ.get("RANK", "0") == "0":
+            write_json(self.marker, {"step": step, "signal": name})
         say(f"stopped by {name} after step {step}, its checkpoint written: rerun with --resume auto to continue")
         raise SystemExit(STOPPED)
 

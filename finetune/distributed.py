@@ -37,7 +37,44 @@ def launch_env(environ=None, world_of_one=True, visible=None):
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible:
         environ["LOCAL_RANK"] = str(hardware.device_index(local_rank, visible))
+    gloo_interface(environ)
     return int(environ.get("RANK", 0)), local_rank, int(environ.get("WORLD_SIZE", 1))
+
+
+def gloo_interface(environ):
+    """GLOO_SOCKET_IFNAME, where the user set none and the ranks meet on another host's address: the interface
+    through which this host reaches MASTER_ADDR. Without it gloo offers the other ranks the address this host's name
+    resolves to, 127.0.1.1 on Debian and many containers, and they cannot connect. The stop vote and the hang
+    reports use gloo beside NCCL. A value exported in the launching shell does not reach the ranks (DeepSpeed's
+    launcher starts even the first host's over ssh): .deepspeed_env's lines do (docs/multinode.md). NCCL needs
+    nothing: it skips the loopback interface by itself, and forcing the route's interface could slow it."""
+    if environ.get("GLOO_SOCKET_IFNAME") or int(environ.get("WORLD_SIZE", 1)) <= 1 or not environ.get("MASTER_ADDR"):
+        return
+    name = route_interface(environ["MASTER_ADDR"], int(environ.get("MASTER_PORT", 29500)))
+    if name and name != "lo":  # a master on loopback: one host, where gloo's own choice works
+        environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def route_interface(address, port):
+    """The name of the interface that holds this host's address toward address:port ('lo' for a loopback one), or
+    None where it does not resolve or nothing routes there. Connecting a UDP socket chooses the route and the source
+    address and sends nothing; on the master's own host that is MASTER_ADDR itself, on its own interface."""
+    import ipaddress
+    import socket
+
+    import psutil  # a dependency of DeepSpeed's: the interfaces' names and addresses, as gloo reads them
+
+    try:
+        family, _, _, _, target = socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(target)
+            local = s.getsockname()[0].split("%")[0]
+    except OSError:
+        return None
+    if ipaddress.ip_address(local).is_loopback:  # 127.0.1.1 is lo's without being listed on it
+        return "lo"
+    return next((name for name, addresses in psutil.net_if_addrs().items()
+                 if any(a.family == family and a.address.split("%")[0] == local for a in addresses)), None)
 
 
 def slurm_env(environ):
@@ -79,6 +116,43 @@ def collective_settings(args):
     hangs.flight_recorder_env(args.output_dir)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    return timeout
+
+
+JOIN_S = 60  # the longest a rank waits for the others to form the process group before it says so and leaves
+
+
+def init_distributed(args):
+    """deepspeed.init_distributed (nccl or gloo) under collective_settings, bounded: the ranks start together (the
+    launchers start them at once), so a group that has not formed within a minute never will, and a rank that
+    cannot connect to another would otherwise wait for --dist-timeout (30 minutes) without a word. Such a rank says
+    which it is and what it offered the others, and leaves: the launcher then ends the job."""
+    import socket
+    import threading
+
+    import deepspeed
+
+    timeout = collective_settings(args)
+    rank, interface = os.environ.get("RANK", "0"), os.environ.get("GLOO_SOCKET_IFNAME")
+    offered = f"interface {interface}" if interface else "the address its host name resolves to"
+    line = (f"rank {rank} on {socket.gethostname()} could not join the other ranks {{}}: gloo offered them {offered}, "
+            f"the master is {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}. A host that cannot reach "
+            f"another, or the wrong interface: see docs/multinode.md, check the hosts with job/preflight.py")
+    bound = min(JOIN_S, args.dist_timeout)
+
+    def leave():
+        print("error: " + line.format(f"within {bound} s"), file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(bound, leave)
+    timer.daemon = True
+    timer.start()
+    try:
+        deepspeed.init_distributed(timeout=timeout)
+    except RuntimeError as e:  # refused or reset: the other side gave up, or offered an address nobody can reach
+        fail(line.format(f"({str(e).strip().splitlines()[0].split('] ')[-1][:120]})"))
+    finally:
+        timer.cancel()
     return timeout
 
 

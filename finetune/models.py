@@ -1,5 +1,6 @@
 """The model: loading it (one line when it cannot), LoRA adapters, saving it in Hugging Face format (merged, and
 the adapter), the sample answer at the end, and the bytes of model state each rank holds."""
+import time
 from pathlib import Path
 
 import torch
@@ -261,16 +262,44 @@ def _generate(model, tokenizer, ids, device, autocast, max_new_tokens=40):
     positions = getattr(hardware.text_config(net.config), "max_position_embeddings", None)
     if positions:
         ids, max_new_tokens = ids[-(positions - 1):], min(max_new_tokens, positions - min(len(ids), positions - 1))
+    synced = engine is not None and engine.zero_optimization_partition_weights()
     was_training = net.training
     net.eval()
     try:
         with torch.no_grad(), autocast:
             out = net.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                               synced_gpus=engine is not None and engine.zero_optimization_partition_weights())
+                               do_sample=False, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced)
+    except Exception as e:
+        if synced:
+            global _generations_failed
+            _generations_failed += 1
+            _failed_together(e, torch.distributed.distributed_c10d._get_default_store(), torch.distributed.get_rank(),
+                             torch.distributed.get_world_size(), _generations_failed)
+        raise
     finally:
         net.train(was_training)
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
+
+
+_generations_failed = 0  # under ZeRO-3: how many generations failed on this rank, the same count on every rank
+
+
+def _failed_together(error, store, rank, world_size, failure, wait_s=20.0):
+    """Under ZeRO-3 every rank generates together, gathering each layer's shards from all the others. A failure on
+    every rank (the same forward fails the same way everywhere) is a line, as in one process; on some ranks only (an
+    out-of-memory), the others wait in a gather this rank will never join, until --dist-timeout: end the run now
+    instead, naming the ranks. The ranks that failed count themselves in the rendezvous store, whose calls need no
+    collective, and wait a few seconds for the rest (`failure`: this rank's count of failed generations)."""
+    key = f"finetune/generation-failed/{failure}"
+    failed, deadline = store.add(key, 1), time.monotonic() + wait_s
+    while failed < world_size and time.monotonic() < deadline:
+        time.sleep(0.1)
+        failed = store.add(key, 0)
+    if failed < world_size:
+        reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        fail(f"rank {rank} could not generate under ZeRO-3 ({type(error).__name__}: {reason}) while "
+             f"{world_size - failed} of {world_size} ranks went on, and they cannot finish without it: the run stops "
+             f"here. Its last checkpoint is complete: rerun with --resume, and --prompt '' to skip the sample")
 
 
 def held_bytes(model, optimizer):

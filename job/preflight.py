@@ -7,8 +7,9 @@
 async I/O op; what they need is checked here, without building, one line each, instead of a traceback minutes into
 the first run. The default path (no offload) compiles nothing.
 --hostfile: what the deepspeed launcher needs: a valid hostfile, pdsh here, passwordless SSH and pdsh to every host,
-the same Python, repo path and package versions there, and that every host reaches the master port here. One line
-per host: ok, or what failed and how to fix it. Exit code 0 only if everything is ok.
+the same Python, repo path and package versions there, that every host reaches the master port here, and that one
+process a host forms a gloo group there (the interface each offers the others is the one the scripts pick). One line
+per host and check: ok, or what failed and how to fix it. Exit code 0 only if everything is ok.
 """
 import argparse
 import os
@@ -115,6 +116,40 @@ def check_host(host, slots, master_addr, master_port, want_versions):
     return f"cannot read its limits ({out})" if status else limits_problem(host, slots, *out.split())
 
 
+# one process a host joins a gloo group at the master, through the interface the scripts pick, and sums its rank
+MESH = ("import datetime, os, sys; sys.path.insert(0, {repo!r}); import torch, torch.distributed as dist; "
+        "from finetune import distributed; "
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=30)); t = torch.ones(1); "
+        "dist.all_reduce(t); print(os.environ.get('GLOO_SOCKET_IFNAME', 'default'), int(t))")
+
+
+def check_mesh(hosts, master_addr, master_port):
+    """Every host in one gloo group, as the ranks will be (the stop vote and hang reports use gloo beside NCCL): the
+    ranks offer each other the address of the interface that reaches the master. [(host, problem or None,
+    interface)]; a host that cannot connect is named, within the group's 30 s timeout."""
+    procs = []
+    for rank, (host, _) in enumerate(hosts):
+        env = f"RANK={rank} WORLD_SIZE={len(hosts)} MASTER_ADDR={master_addr} MASTER_PORT={master_port}"
+        command = f"{env} {shlex.quote(sys.executable)} -c {shlex.quote(MESH.format(repo=str(REPO)))}"
+        procs.append(subprocess.Popen(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    found = []
+    for (host, _), proc in zip(hosts, procs):
+        try:
+            out = proc.communicate(timeout=150)[0].strip().splitlines()
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = ["no answer in 150 s"]
+        words = out[-1].split() if out else []
+        if proc.returncode == 0 and len(words) == 2 and words[1] == str(len(hosts)):
+            found.append((host, None, words[0]))
+        else:
+            error = next((line for line in reversed(out) if "Error" in line or "error" in line), out[-1] if out else "")
+            found.append((host, f"its rank could not join the others' gloo group ({error.strip()[-160:]}): set "
+                                 f"GLOO_SOCKET_IFNAME in .deepspeed_env to the interface between the nodes", None))
+    return found
+
+
 def offload_facts():
     """What this machine has for DeepSpeed's offload ops (read, nothing built)."""
     import sysconfig
@@ -188,6 +223,10 @@ def main(argv=None):
         failed += problem is not None
         print(f"{host} ({slots} slots): {problem or 'ok'}")
     listener.close()
+    if not failed and len(hosts) > 1:  # the hosts' ranks reach each other, not only the master port
+        for host, problem, interface in check_mesh(hosts, master_addr, args.master_port):
+            failed += problem is not None
+            print(f"{host}: gloo {'through ' + interface if interface else 'failed'}: {problem or 'ok'}")
     print("all hosts ok: launch with deepspeed --hostfile" if not failed else f"{failed} host(s) to fix")
     return 1 if failed else 0
 

@@ -3,6 +3,7 @@
 The multi-node test starts its own sshd on 127.0.0.1 and a free port, with throwaway keys and its own
 AuthorizedKeysFile, and two host aliases (node1, node2) in its own ssh_config. An `ssh` wrapper first on PATH adds
 `-F <that config>`: DeepSpeed's launcher and pdsh both call plain `ssh`. Nothing is written to ~/.ssh."""
+import contextlib
 import getpass
 import os
 import resource
@@ -23,78 +24,125 @@ single = load_script("single-gpu.py")
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
+def hosts_unavailable():
+    """Why this machine cannot make the two hosts, or None."""
+    missing = [name for name, found in (("sshd", os.path.exists(SSHD)), ("pdsh", shutil.which("pdsh")),
+                                        ("ssh-keygen", shutil.which("ssh-keygen")), ("ip", shutil.which("ip")))
+               if not found]
+    if missing:
+        return f"{', '.join(missing)} missing (.ci/run installs openssh-server, pdsh and iproute2 from Debian's packages)"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    return None
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """PATH and environment under which `ssh node1` and `ssh node2` reach this machine through a private sshd."""
-    if not (os.path.exists(SSHD) and shutil.which("pdsh") and shutil.which("ssh-keygen")):
-        missing = "openssh-server and pdsh are not installed (.ci/run installs them from Debian's packages)"
-        if os.environ.get("CI"):  # CI must run the multi-node launch, not skip it
-            pytest.fail(missing)
-        pytest.skip(missing)
-    d = tmp_path_factory.mktemp("cluster")
-    for key in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+def hosts(tmp_path_factory):
+    """Two hosts with their own addresses: network namespaces joined by a veth pair (10.77.0.1 and 10.77.0.2), each
+    with its own sshd on port 22 (throwaway keys), as two nodes of a cluster are. `hosts["on"](1, cmd)` is cmd run on
+    the first host. An `ssh` wrapper first on PATH adds `-F <its config>` (DeepSpeed's launcher and pdsh both call
+    plain `ssh`). The hosts share this machine's files and its name, which resolves to loopback, as on many clusters.
+    Nothing is written to ~/.ssh."""
+    problem = hosts_unavailable()
+    if problem:
+        if os.environ.get("CI"):  # CI must run the multi-node launches, not skip them
+            pytest.fail(problem)
+        pytest.skip(problem)
+    d = tmp_path_factory.mktemp("hosts")
+    names, addresses = [f"ft{os.getpid()}-{i}" for i in (1, 2)], ["10.77.0.1", "10.77.0.2"]
+    devices = [f"ft{os.getpid() % 10**8}v{i}" for i in (1, 2)]  # an interface's name: at most 15 characters
+    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, text=True)
+    for key in ("client_key", "host_key_1", "host_key_2"):
+        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key))
     shutil.copy(d / "client_key.pub", d / "authorized_keys")
-    port = free_port()
-    (d / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/host_key\nAuthorizedKeysFile {d}/authorized_keys\n"
-        f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\nUsePAM no\n"
-        f"StrictModes no\nPermitRootLogin prohibit-password\nPidFile {d}/sshd.pid\n")
-    aliases = "Host node1 node2 node-closed\n  HostName 127.0.0.1\n"
+    (d / "known_hosts").write_text("".join(
+        f"{a} {' '.join((d / f'host_key_{i}.pub').read_text().split()[:2])}\n" for i, a in zip((1, 2), addresses)))
     (d / "ssh_config").write_text(
-        f"Host node-closed\n  Port {free_port()}\n"  # nothing listens there: an unreachable host
-        f"{aliases}  Port {port}\n  User {getpass.getuser()}\n  IdentityFile {d}/client_key\n  IdentitiesOnly yes\n"
-        f"  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n")
+        f"Host closed\n  HostName {addresses[1]}\n  Port 2\n"  # nothing listens there: an unreachable host
+        f"Host 10.77.0.* closed\n  User {getpass.getuser()}\n  IdentityFile {d}/client_key\n  IdentitiesOnly yes\n"
+        f"  UserKnownHostsFile {d}/known_hosts\n  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n"
+        f"  ServerAliveInterval 2\n  ServerAliveCountMax 3\n"  # a cut link ends the launcher's ssh in seconds
+        f"  LogLevel ERROR\n")
     (d / "bin").mkdir()
     (d / "bin" / "ssh").write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {d}/ssh_config \"$@\"\n")
     (d / "bin" / "ssh").chmod(0o755)
     os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege separation folder
-    sshd = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=open(d / "sshd.log", "w"))
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    path = f"{d}/bin:{Path(sys.executable).parent}:{os.environ['PATH']}"
-    # what the remote ranks need of our environment: DeepSpeed's launcher exports the lines of DS_ENV_FILE
-    (d / "ds_env").write_text(f"PATH={path}\nOMP_NUM_THREADS=1\nHF_HUB_OFFLINE=1\nHF_DATASETS_OFFLINE=1\n")
-    env = {**os.environ, "PATH": path, "DS_ENV_FILE": str(d / "ds_env"), "OMP_NUM_THREADS": "1"}
+    on = lambda host, cmd: ["ip", "netns", "exec", names[host - 1], *map(str, cmd)]
+    sshds = []
     try:
-        yield {"dir": d, "env": env}
+        for name in names:
+            sh("ip", "netns", "add", name)
+            sh("ip", "-n", name, "link", "set", "lo", "up")
+        sh("ip", "link", "add", devices[0], "netns", names[0], "type", "veth", "peer", "name", devices[1], "netns",
+           names[1])
+        for i, (name, address, device) in enumerate(zip(names, addresses, devices), 1):
+            sh("ip", "-n", name, "addr", "add", f"{address}/24", "dev", device)
+            sh("ip", "-n", name, "link", "set", device, "up")
+            (d / f"sshd_config_{i}").write_text(
+                f"Port 22\nListenAddress {address}\nHostKey {d}/host_key_{i}\nAuthorizedKeysFile {d}/authorized_keys\n"
+                f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\nUsePAM no\n"
+                f"StrictModes no\nPermitRootLogin prohibit-password\nPidFile {d}/sshd_{i}.pid\n"
+                f"ClientAliveInterval 2\nClientAliveCountMax 3\n")
+            sshds.append(subprocess.Popen(on(i, [SSHD, "-D", "-e", "-f", d / f"sshd_config_{i}"]),
+                                          stderr=open(d / f"sshd_{i}.log", "w")))
+        for address in addresses:  # both sshds answer, seen from the first host
+            for _ in range(100):
+                if not subprocess.run(on(1, ["bash", "-c", f"exec 3<>/dev/tcp/{address}/22"]),
+                                      capture_output=True).returncode:
+                    break
+                time.sleep(0.1)
+        path = f"{d}/bin:{Path(sys.executable).parent}:{os.environ['PATH']}"
+        # what the remote ranks need of our environment: DeepSpeed's launcher exports the lines of DS_ENV_FILE
+        (d / "ds_env").write_text(f"PATH={path}\nOMP_NUM_THREADS=1\nHF_HUB_OFFLINE=1\nHF_DATASETS_OFFLINE=1\n")
+        env = {**os.environ, "PATH": path, "DS_ENV_FILE": str(d / "ds_env"), "OMP_NUM_THREADS": "1"}
+        yield {"dir": d, "env": env, "addresses": addresses, "names": names, "devices": devices, "on": on}
     finally:
-        sshd.terminate()  # the sshd we started, by its pid
-        sshd.wait(timeout=10)
+        for sshd in sshds:
+            sshd.terminate()
+            sshd.wait(timeout=10)
+        for name in names:
+            for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)  # what a test left running on a host
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # its end of the veth pair with it
 
 
-def test_two_nodes_over_ssh_give_the_single_process_losses(cluster, tiny, tmp_path):
+def test_two_hosts_over_ssh_give_the_single_process_losses(hosts, tiny, tmp_path):
+    """The deepspeed launcher on the first host reaches the second over pdsh with a hostfile of addresses; the ranks
+    meet at the first host's address, each through the interface that reaches it: without that, the second rank
+    offers gloo's peers 127.0.0.1 (what the hosts' name resolves to) and the first cannot connect."""
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts["addresses"]))
     out = tmp_path / "multinode"
     argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 3}) + ["--deepspeed"]
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), f"--hostfile={hostfile}", "--master_addr=127.0.0.1",
+    cmd = [Path(sys.executable).parent / "deepspeed", f"--hostfile={hostfile}", f"--master_addr={hosts['addresses'][0]}",
            f"--master_port={free_port()}", "zero-optimization.py", *argv]
-    run = check(subprocess.run(cmd, cwd=ROOT, env=cluster["env"], capture_output=True, text=True, timeout=600))
-    assert "node1:" in run.stdout and "node2:" in run.stdout  # pdsh ran a launcher on each "node"
+    run = check(subprocess.run(hosts["on"](1, cmd), cwd=ROOT, env=hosts["env"], capture_output=True, text=True,
+                               timeout=600))
+    assert all(f"{a}:" in run.stdout for a in hosts["addresses"])  # pdsh ran a launcher on each host
     r = results(out)
     assert r["world_size"] == 2 and r["global_batch_size"] == 8
     single.main(base_args(tiny, tmp_path / "single", **{"--batch-size": 4, "--grad-accum": 2}))
     assert_close_losses(results(tmp_path / "single")["losses"], r["losses"])
 
 
-def test_preflight_passes_on_reachable_hosts_and_names_the_broken_one(cluster, tmp_path):
+def test_preflight_passes_on_reachable_hosts_and_names_the_broken_one(hosts, tmp_path):
+    first, second = hosts["addresses"]
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node1 slots=1  # first\n\nnode2 slots=1\n")
-    preflight = [sys.executable, str(ROOT / "job" / "preflight.py"), "--hostfile", str(hostfile),
-                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    run = subprocess.run(preflight, env=cluster["env"], capture_output=True, text=True, timeout=120)
+    hostfile.write_text(f"{first} slots=1  # first\n\n{second} slots=1\n")
+    preflight = hosts["on"](1, [sys.executable, ROOT / "job" / "preflight.py", "--hostfile", hostfile,
+                                "--master-addr", first, "--master-port", free_port()])
+    run = subprocess.run(preflight, env=hosts["env"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "node1 (1 slots): ok" in run.stdout and "node2 (1 slots): ok" in run.stdout
-    hostfile.write_text("node1 slots=1\nnode-closed slots=1\n")
-    run = subprocess.run(preflight, env=cluster["env"], capture_output=True, text=True, timeout=120)
+    assert f"{first} (1 slots): ok" in run.stdout and f"{second} (1 slots): ok" in run.stdout
+    # the gloo group formed, each host through its end of the veth pair (not loopback, what their name resolves to)
+    for address, device in zip(hosts["addresses"], hosts["devices"]):
+        assert f"{address}: gloo through {device}: ok" in run.stdout, run.stdout
+    hostfile.write_text(f"{first} slots=1\nclosed slots=1\n")
+    run = subprocess.run(preflight, env=hosts["env"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
-    assert "node1 (1 slots): ok" in run.stdout
-    assert "node-closed (1 slots): passwordless ssh fails" in run.stdout and "ssh-copy-id node-closed" in run.stdout
+    assert f"{first} (1 slots): ok" in run.stdout
+    assert "closed (1 slots): passwordless ssh fails" in run.stdout and "ssh-copy-id closed" in run.stdout
 
 
 @pytest.mark.parametrize("facts, problem", [

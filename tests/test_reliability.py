@@ -96,8 +96,10 @@ def test_a_signal_in_one_process_stops_after_the_step_in_flight(tiny, tmp_path, 
         single.main(argv)
     assert e.value.code == checkpoints.STOPPED and (out / "checkpoints" / "latest").read_text() == "step-3"
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
+    assert json.loads((out / "stopped.json").read_text()) == {"step": 3, "signal": "SIGTERM"}  # what sbatch reads
     monkeypatch.undo()
     single.main(argv)
+    assert not (out / "stopped.json").exists()  # the resumed run is no stopped one
     assert results(out)["losses"] == results(tmp_path / "whole")["losses"]
 
 
@@ -390,14 +392,14 @@ def test_the_flight_recorder_dumped_is_the_one_that_holds_the_training_collectiv
 
 
 @pytest.mark.quick
-def test_stop_finds_its_world_at_the_first_step_and_a_stopped_run_leaves_the_group(monkeypatch):
+def test_stop_finds_its_world_at_the_first_step_and_a_stopped_run_leaves_the_group(monkeypatch, tmp_path):
     """The HF Trainer makes the process group after Stop() (in TrainingArguments): the ranks must still agree on when
     to stop. And a run stopped by a signal leaves the group as a finished one does (NCCL warns of a leak otherwise)."""
     import torch.distributed as dist
 
     from finetune import distributed
 
-    stop = checkpoints.Stop()  # no process group yet
+    stop = checkpoints.Stop(tmp_path)  # no process group yet
     votes = []
     with monkeypatch.context() as m:  # two gloo ranks, as the Trainer makes them after
         m.setattr(dist, "is_initialized", lambda: True)

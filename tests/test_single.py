@@ -368,3 +368,26 @@ def test_the_sample_and_the_answers_are_generated_in_the_runs_precision(tmp_path
     with pytest.raises(RuntimeError, match="FlashAttention only supports"):  # outside the autocast: refused
         models._generate(AutoModelForCausalLM.from_pretrained(out / "final"), tokenizer, tokenizer("Hi")["input_ids"],
                          torch.device("cpu"), contextlib.nullcontext())
+
+
+def test_a_generation_that_failed_on_some_zero3_ranks_ends_the_run_and_on_all_is_a_line():
+    """Under ZeRO-3 the ranks generate together (each layer's shards gathered from all): a failure on every rank is
+    the one line above; on rank 1 alone, rank 0 waits in a gather rank 1 never joins, until --dist-timeout. Rank 1
+    then ends the run at once, naming itself (the launcher stops the rest). Fed the rendezvous store's answers."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    error = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+    store = HashStore()
+    with pytest.raises(SystemExit, match=r"^error: rank 1 could not generate under ZeRO-3 \(RuntimeError: CUDA out "
+                                         r"of memory. Tried to allocate 2.00 GiB\) while 1 of 2 ranks went on"):
+        models._failed_together(error, store, rank=1, world_size=2, failure=1, wait_s=0.3)
+    done = []  # every rank fails the same generation: each goes on to its own line, none ends the run
+    ranks = [threading.Thread(target=lambda r=r: done.append(models._failed_together(error, store, r, 3, 2, wait_s=60)))
+             for r in range(3)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    assert done == [None, None, None]
