@@ -132,7 +132,10 @@ def init_distributed(args):
 
     import deepspeed
 
+    import importlib
+
     timeout = collective_settings(args)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op()  # on CPU DeepSpeed compiles it at a machine's first run, a minute: not joining
     rank, interface = os.environ.get("RANK", "0"), os.environ.get("GLOO_SOCKET_IFNAME")
     offered = f"interface {interface}" if interface else "the address its host name resolves to"
     line = (f"rank {rank} on {socket.gethostname()} could not join the other ranks {{}}: gloo offered them {offered}, "

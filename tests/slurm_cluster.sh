@@ -40,7 +40,7 @@ for tool in munged slurmctld slurmd sinfo; do
 done
 [ "$(id -u)" = 0 ] || { echo "error: slurmd runs jobs as any user: start the cluster as root" >&2; exit 1; }
 node=$(hostname -s)
-port=${SLURM_TEST_PORT:-6817}
+port=${SLURM_TEST_PORT:-6817}  # slurmctld; slurmd: SLURM_TEST_SLURMD_PORT, or the next one
 mkdir -p "$state"/{munge,ctld,spool,log,run,dev}
 chmod 700 "$state/munge"
 for i in 0 1; do [ -c "$state/dev/nvidia$i" ] || mknod "$state/dev/nvidia$i" c 1 3; done  # /dev/null's numbers
@@ -49,7 +49,7 @@ cat > "$SLURM_CONF" <<CONF
 ClusterName=tests
 SlurmctldHost=$node(127.0.0.1)
 SlurmctldPort=$port
-SlurmdPort=$((port + 1))
+SlurmdPort=${SLURM_TEST_SLURMD_PORT:-$((port + 1))}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -1,15 +1,15 @@
-"""job/: a real multi-node launch over SSH on this machine, the SLURM script's hostfile, the preflight check.
+"""job/: a real launch on two hosts over SSH, the preflight check, the SLURM script's launch lines (a real SLURM runs
+it in test_slurm.py).
 
-The multi-node test starts its own sshd on 127.0.0.1 and a free port, with throwaway keys and its own
-AuthorizedKeysFile, and two host aliases (node1, node2) in its own ssh_config. An `ssh` wrapper first on PATH adds
-`-F <that config>`: DeepSpeed's launcher and pdsh both call plain `ssh`. Nothing is written to ~/.ssh."""
+The two hosts are network namespaces on this machine joined by a veth pair, each with its own address and its own
+sshd (throwaway keys, its own AuthorizedKeysFile and known_hosts). An `ssh` wrapper first on PATH adds `-F <its
+config>`: DeepSpeed's launcher and pdsh both call plain `ssh`. Nothing is written to ~/.ssh."""
 import contextlib
 import getpass
 import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -203,108 +203,28 @@ def test_slurm_script_writes_the_hostfile_and_the_launch(tmp_path, launcher):
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "hostfile").read_text() == "gpu07 slots=4\ngpu08 slots=4\n"
     flags = "zero-optimization.py --deepspeed --resume auto --model m --overwrite"
-    if launcher == "deepspeed":
-        assert (f".venv/bin/deepspeed --hostfile={tmp_path}/hostfile --master_addr=gpu07 --master_port=20042 "
-                f"{flags}") in run.stdout
-    elif launcher == "torchrun":
-        assert ("srun --ntasks-per-node=1 --cpus-per-task=32 .venv/bin/torchrun --nnodes=2 --nproc_per_node=4 "
-                "--rdzv_backend=c10d --rdzv_endpoint=gpu07:20042 --rdzv_id=42 "
+    if launcher == "deepspeed":  # one launcher, a job step on the first node (SLURM's signals to the steps reach it)
+        assert ("srun --nodes=1 --ntasks=1 --nodelist=gpu07 --cpus-per-task=32 bash -c trap \"\" USR1 TERM; exec "
+                f"\"$@\" deepspeed .venv/bin/deepspeed --hostfile={tmp_path}/hostfile --master_addr=gpu07 "
+                f"--master_port=20042 {flags}") in run.stdout
+    elif launcher == "torchrun":  # one torchrun a node, whatever the header's tasks
+        assert ("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=32 .venv/bin/torchrun --nnodes=2 "
+                "--nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint=gpu07:20042 --rdzv_id=42 "
                 "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=280 "
                 f"{flags}") in run.stdout
-    else:
-        assert f"srun --ntasks-per-node=4 --cpus-per-task=8 --kill-on-bad-exit=1 .venv/bin/python3 {flags}" in run.stdout
+    else:  # one task a GPU on every node, each its share of the node's cores; fewer cores than GPUs: one each
+        assert (f"srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=8 --kill-on-bad-exit=1 "
+                f".venv/bin/python3 {flags}") in run.stdout
+        few = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m", "--overwrite"],
+                             env={**env, "SLURM_CPUS_PER_TASK": "1", "SLURM_NTASKS_PER_NODE": "2"},
+                             capture_output=True, text=True)
+        assert "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=1 --overcommit --kill-on-bad-exit=1" \
+            in few.stdout, few.stdout + few.stderr
     assert "hosts: gpu07 gpu08 (4 GPUs each" in run.stdout
     # a requeued job continues: never --overwrite
     run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m", "--overwrite"],
                          env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True)
     assert run.returncode == 0 and "--resume auto --model m\n" in run.stdout and "--overwrite dropped" in run.stdout
-
-
-FAKE_RANK = """#!/bin/bash
-# a rank: exits 75 on SIGUSR1 (stopped with its checkpoint; 0 if it was exporting: FAKE_FINISH), else with
-# FAKE_STATUS, or 1 after 30 s
-trap 'echo usr1 >> "$FAKE_LOG"; [ -n "${FAKE_FINISH:-}" ] && exit 0; exit 75' USR1
-[ -n "${FAKE_STATUS:-}" ] && exit "$FAKE_STATUS"
-touch "$FAKE_READY"
-sleep 30 >/dev/null 2>&1 & wait $!  # (not holding the output pipe open after a trap's exit)
-exit 1
-"""
-FAKE_DEEPSPEED = """#!/bin/bash
-# the deepspeed runner over pdsh: pdsh, an ssh session, launch.py, the rank. pdsh's and ssh's command lines hold
-# launch.py's; ssh dies of SIGUSR1 (here: says so); launch.py passes on the rank's status; none forwards SIGUSR1
-port=$(printf '%s\\n' "$@" | grep -- --master_port=)
-launch="$FAKE_PYTHON -u -m deepspeed.launcher.launch --node_rank=0 $port"
-bash -c 'bash "$FAKE_BIN/ssh" $1 & wait $!' pdsh "$launch" & wait $!
-"""
-FAKE_SSH = """#!/bin/bash
-trap 'echo ssh-killed >> "$FAKE_LOG"; exit 255' USR1
-"$@" & wait $!
-"""
-FAKE_LAUNCH = """import os, subprocess, sys  # DeepSpeed's launch.py: the rank's status passed on; SIGUSR1 not caught
-sys.exit(subprocess.call(["bash", os.path.join(os.environ["FAKE_BIN"], "rank")]))
-"""
-FAKE_TORCHRUN = """#!/bin/bash
-# torchrun with --signals-to-handle ...SIGUSR1: passes it to its ranks, then reports their exit as a failure
-trap 'echo usr1 >> "$FAKE_LOG"; exit 1' USR1
-touch "$FAKE_READY"
-sleep 30 >/dev/null 2>&1 & wait $!  # (not holding the output pipe open after a trap's exit)
-"""
-FAKE_SRUN = """#!/bin/bash
-# srun: its options dropped, the command run (it passes the signals it gets on to its tasks: here the command itself)
-while [ "${1#--}" != "$1" ]; do shift; done
-exec "$@"
-"""
-
-
-@pytest.mark.parametrize("launcher, status, signal_it, finished, requeued", [
-    ("deepspeed", 0, False, True, False),     # finished
-    ("deepspeed", 1, False, False, False),    # failed
-    ("deepspeed", 75, False, False, True),    # a rank was signalled (preemption): stopped with its checkpoint
-    ("deepspeed", None, True, False, True),   # the time limit's SIGUSR1: forwarded to the rank, which stops
-    ("torchrun", None, True, False, True),    # torchrun reports the stop as a failure: the signal decides
-    ("srun", None, True, False, True),        # srun passes the signal to the ranks, and their status back
-    ("srun", None, True, True, False),        # the signal came as the run finished: nothing to continue
-])
-def test_the_slurm_script_requeues_a_run_that_stopped_to_be_resumed(tmp_path, launcher, status, signal_it, finished,
-                                                                      requeued):
-    """job/slurm.sbatch run as SLURM runs it, with stand-ins for SLURM's commands and the launchers: SIGUSR1 to the
-    batch script (--signal=B:USR1@...) reaches a rank of the run; `scontrol requeue` follows a run that stopped to
-    be resumed, and only such a run."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    launch = tmp_path / "py" / "deepspeed" / "launcher"
-    launch.mkdir(parents=True)
-    (launch / "launch.py").write_text(FAKE_LAUNCH)
-    for package in (launch, launch.parent):  # a package of its own, ahead of the real deepspeed
-        (package / "__init__.py").touch()
-    for name, text in (("rank", FAKE_RANK), ("deepspeed", FAKE_DEEPSPEED), ("ssh", FAKE_SSH), ("torchrun", FAKE_TORCHRUN),
-                       ("srun", FAKE_SRUN), ("python3", FAKE_RANK),
-                       ("scontrol", '#!/bin/sh\nif [ "$1" = show ]; then echo localhost; else echo "$@" >> "$FAKE_LOG"; fi\n')):
-        (fake / name).write_text(text)
-        (fake / name).chmod(0o755)
-    out = tmp_path / "out"
-    out.mkdir()
-    if finished:
-        (out / "results.json").write_text("{}")
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHON_BIN": str(fake), "FAKE_BIN": str(fake),
-           "FAKE_LOG": str(tmp_path / "log"), "FAKE_READY": str(tmp_path / "ready"), "SLURM_JOB_NODELIST": "localhost",
-           "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "1", "LAUNCHER": launcher,
-           "HOSTFILE": str(tmp_path / "hostfile"), "MASTER_PORT": str(free_port()), "FAKE_STATUS": "" if status is None else str(status),
-           "FAKE_FINISH": "1" if finished else "", "FAKE_PYTHON": sys.executable, "PYTHONPATH": str(tmp_path / "py")}
-    script = subprocess.Popen(["bash", str(ROOT / "job" / "slurm.sbatch"), f"--output-dir={out}"], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if signal_it:
-        deadline = time.time() + 30
-        while not (tmp_path / "ready").exists() and time.time() < deadline:
-            time.sleep(0.02)
-        script.send_signal(signal.SIGUSR1)
-    output = script.communicate(timeout=60)[0]
-    said = (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
-    if signal_it:  # the rank (or torchrun) got it from the batch script, and no ssh session died of it
-        assert "usr1" in said and "SIGUSR1: the ranks stop after the step in flight" in output, output
-        assert "ssh-killed" not in said, said
-    assert ("requeue 7" in said) == requeued, (said, output)
-    assert script.returncode == (0 if requeued or finished else status), output
 
 
 @pytest.mark.quick
