@@ -207,11 +207,11 @@ class Stop:
         """After the checkpoint: every rank has finished (a launcher stops the others as soon as one exits), then
         leave with STOPPED."""
         ranks, group = self._world()
+        name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
+        if os.environ.get("RANK", "0") == "0":  # before the barrier: once a rank leaves, a launcher stops the others
+            write_json(self.marker, {"step": step, "signal": name})
         if ranks > 1:
             torch.distributed.barrier(group=group)
-        name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
-        if os.environ.get("RANK", "0") == "0":
-            write_json(self.marker, {"step": step, "signal": name})
         say(f"stopped by {name} after step {step}, its checkpoint written: rerun with --resume auto to continue")
         raise SystemExit(STOPPED)
 
