@@ -19,6 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
+from . import tracking
+
 ROOT = Path(__file__).resolve().parent.parent  # this project's code: the scripts and the package
 FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank keeps in its flight recorder (a few hundred KB)
 HUNG = 3  # the exit status of a run ended by a hang report
@@ -142,6 +144,11 @@ class Watchdog:
                 f"{summary(places, self.ranks)}; stacks in {folder}")
         (folder / "summary.txt").write_text(line + "\n")
         print(line, file=sys.stderr, flush=True)
+        # what the trackers were given is written before the exit below skips every exit handler; bounded, the
+        # main thread being stuck is why we are here
+        closing = threading.Thread(target=tracking.close_all, daemon=True)
+        closing.start()
+        closing.join(timeout=20)
         sys.stdout.flush()
         os._exit(HUNG)
 

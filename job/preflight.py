@@ -12,6 +12,7 @@ process a host forms a gloo group there (the interface each offers the others is
 per host and check: ok, or what failed and how to fix it. Exit code 0 only if everything is ok.
 """
 import argparse
+import contextlib
 import os
 import re
 import resource
@@ -118,9 +119,24 @@ def check_host(host, slots, master_addr, master_port, want_versions):
 
 # one process a host joins a gloo group at the master, through the interface the scripts pick, and sums its rank
 MESH = ("import datetime, os, sys; sys.path.insert(0, {repo!r}); import torch, torch.distributed as dist; "
-        "from finetune import distributed; "
+        "from finetune import distributed; distributed.gloo_interface(os.environ); "
         "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=30)); t = torch.ones(1); "
         "dist.all_reduce(t); print(os.environ.get('GLOO_SOCKET_IFNAME', 'default'), int(t))")
+
+
+def accept_all(listener):
+    """Accept and close every connection until the listener is closed."""
+    with contextlib.suppress(OSError):
+        while True:
+            listener.accept()[0].close()
+
+
+def free_port():
+    """A port free here (the master's host) for the gloo group: the master port's own closed connections may hold it
+    a while (TIME_WAIT)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def check_mesh(hosts, master_addr, master_port):
@@ -215,7 +231,7 @@ def main(argv=None):
     except OSError as e:
         print(f"here: cannot listen on port {args.master_port} ({e.strerror}): pick a free one with --master-port")
         return 1
-    threading.Thread(target=lambda: [listener.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+    threading.Thread(target=accept_all, args=(listener,), daemon=True).start()
     want = local_versions()
     failed = 0
     for host, slots in hosts:
@@ -224,7 +240,7 @@ def main(argv=None):
         print(f"{host} ({slots} slots): {problem or 'ok'}")
     listener.close()
     if not failed and len(hosts) > 1:  # the hosts' ranks reach each other, not only the master port
-        for host, problem, interface in check_mesh(hosts, master_addr, args.master_port):
+        for host, problem, interface in check_mesh(hosts, master_addr, free_port()):
             failed += problem is not None
             print(f"{host}: gloo {'through ' + interface if interface else 'failed'}: {problem or 'ok'}")
     print("all hosts ok: launch with deepspeed --hostfile" if not failed else f"{failed} host(s) to fix")

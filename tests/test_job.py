@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from finetune import distributed
-from conftest import ROOT, assert_close_losses, base_args, check, free_port, load_script, results
+from conftest import ROOT, assert_close_losses, base_args, check, free_port, launch, load_script, long_run, results
 
 single = load_script("single-gpu.py")
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -124,6 +124,48 @@ def test_two_hosts_over_ssh_give_the_single_process_losses(hosts, tiny, tmp_path
     assert r["world_size"] == 2 and r["global_batch_size"] == 8
     single.main(base_args(tiny, tmp_path / "single", **{"--batch-size": 4, "--grad-accum": 2}))
     assert_close_losses(results(tmp_path / "single")["losses"], r["losses"])
+
+
+def test_a_host_lost_mid_run_ends_the_job_with_a_line_and_the_first_host_resumes_alone(hosts, tiny, uninterrupted,
+                                                                                       tmp_path):
+    """The second host's link cut after a checkpoint (its rank neither answers nor closes a connection): within
+    --dist-timeout (20 s here) the first host's rank says which rank did not report and the job ends, nothing of it
+    left on the first host, the newest checkpoint whole; `--resume auto` on the first host alone (1 rank, the same
+    global batch) continues to the uninterrupted run's losses."""
+    hostfile, out, log = tmp_path / "hostfile", tmp_path / "run", tmp_path / "log"
+    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts["addresses"]))
+    cmd = [Path(sys.executable).parent / "deepspeed", f"--hostfile={hostfile}", f"--master_addr={hosts['addresses'][0]}",
+           f"--master_port={free_port()}", "zero-optimization.py", *long_run(tiny, out, "--dist-timeout", "20")]
+    launcher = subprocess.Popen(hosts["on"](1, cmd), cwd=ROOT, env=hosts["env"], stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / "latest").exists():
+            assert time.time() < deadline and launcher.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        subprocess.run(["ip", "-n", hosts["names"][1], "link", "set", hosts["devices"][1], "down"], check=True)
+        cut = time.time()
+        launcher.wait(timeout=120)
+        ended_after = time.time() - cut
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if "error: no progress for " in line]
+    assert len(lines) == 1 and "rank 1 did not report" in lines[0] and "rank 0 in " in lines[0], text[-3000:]
+    assert launcher.returncode != 0 and ended_after < 20 + 15, ended_after  # the docs' margin: 15 s
+    left = [pid for pid in subprocess.run(["ip", "netns", "pids", hosts["names"][0]], capture_output=True,
+                                          text=True).stdout.split()
+            if "sshd" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_text() for pid in left]
+    for pid in subprocess.run(["ip", "netns", "pids", hosts["names"][1]], capture_output=True, text=True).stdout.split():
+        if "zero-optimization" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+            os.kill(int(pid), signal.SIGKILL)  # the lost host's rank: its own timeout would end it later
+    latest = (out / "checkpoints" / "latest").read_text()
+    assert (out / "checkpoints" / latest / "run.json").exists()
+    resumed = long_run(tiny, out, "--resume", "auto", "--batch-size", "4")  # 1 rank: the same global batch
+    check(launch("forked", "zero-optimization.py", resumed, nproc=1))
+    assert_close_losses(results(uninterrupted)["losses"], results(out)["losses"])
 
 
 def test_preflight_passes_on_reachable_hosts_and_names_the_broken_one(hosts, tmp_path):

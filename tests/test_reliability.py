@@ -1,5 +1,6 @@
 """Crashes, signals and hangs under the real launchers: a killed, signalled or stalled rank ends the job in bounded
 time with one line, and the run resumes to the uninterrupted one (checkpoints themselves: test_checkpoints.py)."""
+import contextlib
 import json
 import os
 import pickle
@@ -251,13 +252,16 @@ def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_time
     rank 2 freezes (SIGSTOP, as a frozen node: its watchdog cannot report); rank 0 waits for them in the next
     collective. Half of --dist-timeout later every live rank writes its stacks and its flight recorder, and rank 0
     ends the job with one line saying where each rank is and which did not report, before the collective's own
-    timeout would have ended it with less to say (the report waits for the others until 80% of --dist-timeout)."""
+    timeout would have ended it with less to say (the report waits for the others until 80% of --dist-timeout), and
+    what the trackers were given is written."""
     out = tmp_path / "stalled"
-    launcher = start(long_run(tiny, out, "--dist-timeout", "12"), tmp_path / "log", ranks=3,
-                     FINETUNE_TEST_STALL="1:3,2:3:freeze")
+    launcher = start(long_run(tiny, out, "--dist-timeout", "12", "--log-every", "1", "--report-to", "wandb"),
+                     tmp_path / "log", ranks=3, FINETUNE_TEST_STALL="1:3,2:3:freeze", WANDB_MODE="offline")
     try:
-        wait_for(out / "hang" / "summary.txt", launcher)  # rank 0's line; the frozen rank, killed now, would be
-        os.kill(rank_pid(launcher, 2), signal.SIGKILL)  # by the launcher 30 s after its SIGTERM
+        wait_for(out / "hang" / "summary.txt", launcher)  # rank 0's line; it closes its trackers and leaves
+        with contextlib.suppress(psutil.Error, AssertionError):
+            psutil.Process(rank_pid(launcher, 0, timeout=1)).wait(timeout=30)
+        os.kill(rank_pid(launcher, 2), signal.SIGKILL)  # the frozen rank, killed by the launcher 30 s after its SIGTERM
         launcher.wait(timeout=120)
     finally:
         stop_everything(launcher)
@@ -265,26 +269,28 @@ def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_time
     lines = [line for line in log.splitlines() if line.startswith("error: no progress")]
     assert len(lines) == 1 and "Traceback" not in log and "a collective failed" not in log, log[-3000:]
     # 'error: no progress for 6 s after step 3: rank 1 in beat at hangs.py:NN; rank 0 in all_reduce at
-    # checkpoints.py:NN; rank 2 did not report (...); stacks in <out>/hang'
+    # training.py:NN; rank 2 did not report (...); stacks in <out>/hang'
     assert lines[0].startswith("error: no progress for 6 s after step 3: ") and launcher.returncode == hangs.HUNG
     parts = lines[0].split(": ", 2)[2].split("; stacks")[0].split("; ")
     assert parts[-1].startswith("rank 2 did not report"), lines[0]
     where = dict(reversed(part.split(" in ", 1)) for part in parts[:-1])
     assert set(where.values()) == {"rank 0", "rank 1"}, lines[0]
     assert where_of(where, "rank 1").startswith("beat at hangs.py:")  # where the switch holds it
-    assert where_of(where, "rank 0").startswith("all_reduce at checkpoints.py:")  # the stop agreement after a step
+    assert where_of(where, "rank 0").startswith("all_reduce at training.py:")  # the logged losses after step 3
     for rank in (0, 1):
         stacks = (out / "hang" / f"rank-{rank}.txt").read_text()
         assert stacks.startswith(f"rank {rank}: no progress for 6 s after step 3 (which ended at ")
         assert "thread MainThread:" in stacks and "thread hang-watchdog:" in stacks
     assert not (out / "hang" / "rank-2.txt").exists()
-    # the flight recorders: on the world group, rank 0 entered one collective more than rank 1 (the agreement after
-    # step 3), which has not completed
+    # the flight recorders: on the world group, rank 0 entered one collective more than rank 1 (the losses logged
+    # after step 3), which has not completed
     last = {}
     for rank in (0, 1):
         recorded = pickle.loads((out / "hang" / "flight-recorder" / f"rank_{rank}").read_bytes())
         last[rank] = max((e for e in recorded["entries"] if e["pg_id"] == 0), key=lambda e: e["collective_seq_id"])
     assert last[0]["collective_seq_id"] == last[1]["collective_seq_id"] + 1, last
+    # rank 0 closed its trackers before it left: W&B, read with its own reader, has the 2 steps it was given
+    assert sorted(wandb_history(out)) == [1, 2]  # step 3's losses: in the all-reduce rank 0 waits in
     assert last[0]["profiling_name"] == "gloo:all_reduce" and last[0]["state"] != "completed", last[0]
 
 
