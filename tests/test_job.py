@@ -150,6 +150,8 @@ def test_a_host_lost_mid_run_ends_the_job_with_a_line_and_the_first_host_resumes
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
+        # the link back up: the hosts are the module's, for the tests after this one
+        subprocess.run(["ip", "-n", hosts["names"][1], "link", "set", hosts["devices"][1], "up"], check=True)
     text = log.read_text()
     lines = [line for line in text.splitlines() if "error: no progress for " in line]
     assert len(lines) == 1 and "rank 1 did not report" in lines[0] and "rank 0 in " in lines[0], text[-3000:]
