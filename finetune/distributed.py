@@ -127,15 +127,15 @@ def init_distributed(args):
     launchers start them at once), so a group that has not formed within a minute never will, and a rank that
     cannot connect to another would otherwise wait for --dist-timeout (30 minutes) without a word. Such a rank says
     which it is and what it offered the others, and leaves: the launcher then ends the job."""
+    import importlib
     import socket
     import threading
 
     import deepspeed
 
-    import importlib
-
     timeout = collective_settings(args)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op()  # on CPU DeepSpeed compiles it at a machine's first run, a minute: not joining
+    # on a CPU DeepSpeed compiles its shared-memory op at a machine's first run (a minute): not part of joining
+    importlib.import_module("deepspeed.comm.torch").build_shm_op()
     rank, interface = os.environ.get("RANK", "0"), os.environ.get("GLOO_SOCKET_IFNAME")
     offered = f"interface {interface}" if interface else "the address its host name resolves to"
     line = (f"rank {rank} on {socket.gethostname()} could not join the other ranks {{}}: gloo offered them {offered}, "
