@@ -21,7 +21,7 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
-from finetune import models
+from finetune import models, quantization
 from finetune.hardware import experts_per_token
 from finetune.zero import swap_buffer_elements
 
@@ -52,17 +52,46 @@ def load_config(name):
                  f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}")
 
 
-def parameters(config, lora_rank=0, lora_targets="all-linear"):
+def parameters(config, lora_rank=0, lora_targets="all-linear", bits=None, precision="bf16"):
     """(numel, trainable) of every parameter tensor (tied ones once), built on the meta device (nothing allocated);
-    with LoRA, the adapters peft would add (trainable) and the base (frozen)."""
+    with LoRA, the adapters peft would add (trainable) and the base (frozen). With `bits` (--load-in-4bit/8bit) a
+    weight bitsandbytes holds counts as what is stored: its packed bytes in elements of the run's precision (4 bits:
+    the scripts store them in that dtype, bnb_4bit_quant_storage; 8 bits: int8 bytes in such units)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+        quantized = {id(m.weight) for m in quantized_layers(model)} if bits else set()
         if lora_rank:  # the adapters the scripts add (finetune/models.py: the experts' too, in a mixture of experts)
             from peft import LoraConfig, get_peft_model
             targets, experts = models.lora_targets(model, lora_targets)
             model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets, target_parameters=experts,
                                                      task_type="CAUSAL_LM"))
-    return list({id(p): (p.numel(), p.requires_grad) for p in model.parameters()}.values())
+    b = 4 if precision in ("fp32", "tf32") else 2
+    held = lambda p: p.numel() if id(p) not in quantized else math.ceil(p.numel() / (2 * b)) if bits == 4 \
+        else p.numel() / b
+    return list({id(p): (held(p), p.requires_grad) for p in model.parameters()}.values())
+
+
+def quantized_layers(model):
+    """The layers from_pretrained gives bitsandbytes (transformers' own choice, quantizers/: every nn.Linear and
+    Conv1D but the output head, what it ties, and the model's fp32 modules)."""
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, model._keep_in_fp32_modules)
+    return [m for name, m in model.named_modules()
+            if (type(m) is torch.nn.Linear or isinstance(m, Conv1D)) and should_convert_module(name, skip)]
+
+
+def quantization_constants(config, bits):
+    """(bytes every rank holds whole beside a quantized base: the scales; ZeRO-3 partitions the packed weights, not
+    these, the largest quantized weight's values: the one dequantized copy a forward makes at a time)."""
+    with torch.device("meta"):
+        layers = quantized_layers(AutoModelForCausalLM.from_config(config))
+    sizes = [(m.weight.numel(), m.weight.shape[0]) for m in layers]
+    packed = lambda n: n if bits == 8 else math.ceil(n / 2)  # counted as parameters (parameters())
+    return sum(quantization.stored_bytes(n, bits, out, storage=1) - packed(n) for n, out in sizes), \
+        max((n for n, _ in sizes), default=0)
 
 
 def count_params(config):
@@ -181,28 +210,35 @@ def logits_bytes(tokens, vocab, precision, loss_chunk):
 def plan(args):
     config = load_config(args.model)
     params = parameters(config, args.lora_rank, args.lora_targets)
+    bits = quantization.bits(args)  # QLoRA: the frozen base as bitsandbytes stores it, its scales beside it
+    held = parameters(config, args.lora_rank, args.lora_targets, bits, args.precision) if bits else params
+    constants, dequantized = quantization_constants(config, bits) if bits else (0, 0)
     ranks = args.gpus * args.nodes
     acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
                                         args.gradient_checkpointing, args.loss_chunk, args.sequence_parallel)
     acts = acts_at(args.block_size)
     b = 4 if args.precision in ("fp32", "tf32") else 2
-    total, hidden = sum(k for k, _ in params), config.get_text_config().hidden_size
+    total, hidden = sum(k for k, _ in held), config.get_text_config().hidden_size
     rows = []
     for option in OPTIONS:
-        states = model_states(params, hidden, args.precision, ranks, option)
-        transient = 0
+        states = {k: v + (constants if k != "cpu" else 0)
+                  for k, v in model_states(held, hidden, args.precision, ranks, option).items()}
+        transient = b * dequantized  # a quantized layer's weight, dequantized for its matmul
         if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets (x2: overlap_comm on GPUs)
-            transient = 2 * b * max(hidden ** 2, ZERO2_BUCKET)
+            transient += 2 * b * max(hidden ** 2, ZERO2_BUCKET)
         if option == "ZeRO-2 + CPU offload":  # the norm's fp64 copy is made in the backward pass here
             transient += norm_copy_bytes(params, ranks)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)
-            transient = b * min(total, REUSE_DISTANCE)
+            transient += b * min(total, REUSE_DISTANCE)
         peak_at = lambda block: max(states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"])
         peak = peak_at(args.block_size)
         budget = args.gpu_memory * GiB * HEADROOM
         load = 0 if option.startswith("ZeRO-3") else 4 * total * args.gpus  # each process loads the model on CPU
+        if bits:  # every process loads and quantizes the whole model: transformers skips zero.Init for it
+            load = (b * total + constants) * args.gpus
         cpu = states["cpu"] * args.gpus + load
-        fits = peak <= budget and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB)
+        fits = peak <= budget and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB) and not (
+            bits == 8 and option.startswith("ZeRO-3"))  # refused: ZeRO-3 cannot shard LLM.int8's weights
         rows.append({"option": option, "model_states_bytes_per_gpu": states["gpu"],
                      "held_after_step_bytes_per_rank": states["after_step"], "activations_bytes_per_gpu": acts,
                      "peak_bytes_per_gpu": peak, "cpu_bytes_per_node": cpu, "fits": fits,
@@ -246,6 +282,8 @@ def main(argv=None):
     p.add_argument("--loss-chunk", type=int, default=1024, help="as the scripts' flag (0: all logits at once)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: full fine-tuning)")
     p.add_argument("--lora-targets", default="all-linear")
+    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the frozen base in 4 bits (NF4)")
+    p.add_argument("--load-in-8bit", action="store_true", help="the frozen base in 8 bits (LLM.int8)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")  # the libraries' deprecation notes, from building the model on the meta device
@@ -256,6 +294,7 @@ def main(argv=None):
         sys.exit(f"error: --sequence-parallel {args.sequence_parallel} does not divide the {args.gpus * args.nodes} "
                  f"GPUs; use a divisor")
 
+    quantization.check(args, library=False)
     config, params, rows = plan(args)
     best = recommend(rows, args.gpus, args.nodes)
     total, trainable = sum(k for k, _ in params), sum(k for k, t in params if t)
@@ -265,6 +304,7 @@ def main(argv=None):
                           "options": {r.pop("option"): r for r in rows}, "recommended": best}, indent=1))
         return 0 if best else 1
     lora = f", LoRA rank {args.lora_rank}: {trainable / 1e6:.1f}M trainable" if args.lora_rank else ""
+    lora += f" over a {quantization.bits(args)}-bit base" if quantization.bits(args) else ""
     active = active_parameters(config)
     moe = f" ({active / 1e9:.2f}B active per token: all experts' states, the active ones' activations)" if active else ""
     print(f"{args.model}: {total / 1e9:.2f}B parameters{moe}{lora}; {args.nodes} node(s) x {args.gpus} GPU(s) of "

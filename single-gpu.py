@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-fraction", type=float, default=0.05, help="share of the rows held out to evaluate on")
     p.add_argument("--max-eval-samples", type=int, default=1000, help="evaluate on N rows drawn once (0: all)")
     p.add_argument("--num-proc", type=int, default=0, help="processes that tokenize (0: the cores)")
-    # model (To-Do: your model; --lora-rank 16 when full fine-tuning does not fit; checkpointing for activations)
+    # model (To-Do: your model; --lora-rank 16 when full fine-tuning does not fit, then --load-in-4bit)
     p.add_argument("--model", default="facebook/opt-125m", help="hub id or local folder of a causal LM")
     p.add_argument("--trust-remote-code", action="store_true", help="allow a model that ships its own code")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--lora-alpha", type=float, default=32, help="the adapters' scale is alpha / rank")
     p.add_argument("--lora-targets", default="all-linear", help="comma-separated module names (default: every "
                                                                 "linear layer of attention and MLP)")
+    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the frozen base in 4 bits (NF4), adapters in 32")
+    p.add_argument("--load-in-8bit", action="store_true", help="the frozen base of LoRA in 8 bits (LLM.int8)")
     # train (To-Do: the largest --batch-size that fits, then --grad-accum for the global batch you want; --lr)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")

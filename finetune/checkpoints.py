@@ -78,6 +78,11 @@ def resume_folder(out, args, world_size, zero_stage=None):
              f"{zero_stage}; resume with --zero-stage {saved.get('zero_stage')} (another number of ranks is fine)")
     if saved.get("lora_rank", 0) != args.lora_rank:
         fail(f"--resume: {folder} was written with --lora-rank {saved.get('lora_rank', 0)}; resume with it")
+    base = lambda a: "--load-in-4bit" if a.get("load_in_4bit") else "--load-in-8bit" if a.get("load_in_8bit") else None
+    written = base(saved.get("args", {}))
+    if written != base(vars(args)):  # the adapters trained over that base, rounded as it was
+        fail(f"--resume: {folder} was written with {written}; resume with it" if written else
+             f"--resume: {folder} was written over an unquantized base; resume without {base(vars(args))}")
     return folder, saved
 
 

@@ -150,11 +150,18 @@ def peak_tflops(name, precision):
     return None
 
 
+def values(p):
+    """How many numbers a parameter holds: whole under ZeRO-3 (ds_numel); a 4-bit one packs several into each of
+    its elements (its quant_state keeps the shape)."""
+    state = getattr(p, "quant_state", None)
+    return state.shape.numel() if state is not None else getattr(p, "ds_numel", p.numel())
+
+
 def matmul_params(model, trainable_only=False, all_experts=False):
     """N in 6N: the parameters that take part in matrix products for every token (only those that train, with
     `trainable_only`). Position embeddings and an input embedding are only looked up; an embedding tied to the output
     head is counted once, as the head (torchtitan's count). Whole under ZeRO-3 too (ds_numel)."""
-    numel = lambda p: getattr(p, "ds_numel", p.numel())
+    numel = values
     inner = getattr(model, "module", model)  # a DeepSpeed engine wraps the model
     seen, total = set(), 0
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None

@@ -12,13 +12,13 @@ import types
 
 import torch
 
-_TENSOR_ATTRIBUTES = ("ds_tensor", "ds_secondary_tensor", "grad_accum", "cpu_data")
+_TENSOR_ATTRIBUTES = ("ds_tensor", "ds_secondary_tensor", "grad_accum", "cpu_data", "SCB")
 _SKIP = {"training_dataloader", "training_data", "data_sampler", "lr_scheduler", "timers", "monitor",
          "dp_process_group", "real_dp_process_group", "ds_process_group", "mpu", "_forward_hooks",
          "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_grad_acc_hooks"}
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), enum.Enum, type, types.FunctionType, types.MethodType,
           types.BuiltinFunctionType, types.ModuleType, torch.dtype, torch.device)
-_WALK_MODULES = ("deepspeed", "torch.optim", "collections")
+_WALK_MODULES = ("deepspeed", "torch.optim", "collections", "bitsandbytes")
 
 
 def held_bytes(model, optimizer):
@@ -40,8 +40,10 @@ def held_bytes(model, optimizer):
                 stack.append(obj.grad)
             stack += [getattr(obj, a) for a in _TENSOR_ATTRIBUTES if isinstance(getattr(obj, a, None), torch.Tensor)]
             stack.append(getattr(obj, "nvme_swapper", None))  # NVMe offload: its pinned swap buffers
+            stack.append(getattr(obj, "quant_state", None))  # a 4-bit weight's scales
         elif isinstance(obj, torch.nn.Module):
             stack += [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values()]
+            stack.append(vars(obj).get("state"))  # an 8-bit layer's int8 weights and scales
         elif isinstance(obj, dict):
             stack += [v for k, v in obj.items() if k not in _SKIP]
             stack += [k for k in obj if isinstance(k, torch.Tensor)]  # torch optimizers key their state by tensor

@@ -1,11 +1,12 @@
 """The model: loading it (one line when it cannot), LoRA adapters, saving it in Hugging Face format (merged, and
 the adapter), the sample answer at the end, and the bytes of model state each rank holds."""
+import copy
 import time
 from pathlib import Path
 
 import torch
 
-from . import hardware, loss
+from . import hardware, loss, quantization
 from .base import fail
 
 
@@ -63,9 +64,14 @@ def load_causal_lm(args, config, device, **kwargs):
         register_autocast_experts()
         extra["experts_implementation"] = experts
     # LoRA in 16 bits: the frozen base is loaded in 16 bits (half the memory, on the CPU too); the adapters peft adds
-    # are fp32
+    # are fp32. QLoRA: its linear layers in 4 or 8 bits (--load-in-4bit), computing in the run's precision
     dtype = hardware.AUTOCAST_DTYPES.get(args.precision, torch.float32) if args.lora_rank else torch.float32
-    return load_pretrained(AutoModelForCausalLM, args.model, dtype=dtype, **extra, **kwargs)
+    if quantization.bits(args):
+        extra["quantization_config"] = quantization.loading_config(args, dtype)
+    model = load_pretrained(AutoModelForCausalLM, args.model, dtype=dtype, **extra, **kwargs)
+    if quantization.bits(args):
+        quantization.keep_trainable(model, f"--load-in-{quantization.bits(args)}bit")
+    return model
 
 
 class _WeightsIn:
@@ -126,7 +132,7 @@ def prepare_model(model, args):
             # check). The engine keeps fp32 masters of them; under ZeRO-1/2 it casts them itself.
             zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
             for p in model.parameters():
-                if not p.requires_grad or zero3:
+                if (not p.requires_grad or zero3) and not quantization.is_quantized(p):
                     p.data = p.data.to(hardware.AUTOCAST_DTYPES[args.precision])
     if args.gradient_checkpointing:
         # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
@@ -193,9 +199,13 @@ def save_final(model, tokenizer, folder, state_dict=None):
                 copies[v.device, v.data_ptr()] = v.detach().to("cpu", copy=True)
             state[k] = copies[v.device, v.data_ptr()]
     model.save_pretrained(folder / "adapter", state_dict=state)  # peft keeps the adapter's tensors, full size
+    config = model.get_base_model().config
+    if getattr(config, "quantization_config", None):  # QLoRA: merged into the base dequantized, saved unquantized
+        state = quantization.full_precision_state(model, state, model.get_input_embeddings().weight.dtype)
+        config = copy.deepcopy(config)
+        del config.quantization_config
     with torch.device("meta"):  # a model without storage, given the tensors above
-        merged = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
-                                model.peft_config["default"])
+        merged = get_peft_model(AutoModelForCausalLM.from_config(config), model.peft_config["default"])
     merged.load_state_dict(state, assign=True, strict=False)
     merged.merge_and_unload().save_pretrained(folder)
 

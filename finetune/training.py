@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import hangs, hardware, loss, models, tracking
+from . import hangs, hardware, loss, models, quantization, tracking
 from .base import ROOT, fail, write_json  # noqa: F401 (the scripts' training.fail, training.write_json)
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
@@ -73,6 +73,7 @@ def check_args(args, max_positions):
     if args.resume == "auto":  # one command line for the first submission and every requeue (--overwrite: start over)
         args.resume = "newest" if not args.overwrite and (Path(args.output_dir) / "checkpoints" / "latest").exists() \
             else None
+    quantization.check(args)
     if args.block_size < 2:
         fail("--block-size must be at least 2 (a token and the next one to predict)")
     if max_positions and args.block_size > max_positions:
@@ -125,7 +126,7 @@ class RunStats:
     def __init__(self, config, model, args, device):
         self.config, self.args, self.device, self.model = config, args, device, model
         inner = getattr(model, "module", model)
-        numel = lambda p: getattr(p, "ds_numel", p.numel())
+        numel = hardware.values
         self.total = sum(numel(p) for p in {id(p): p for p in inner.parameters()}.values())
         self.trainable = sum(numel(p) for p in {id(p): p for p in inner.parameters() if p.requires_grad}.values())
         self.matmul_params = hardware.matmul_params(inner)

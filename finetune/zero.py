@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoints, hardware, training
+from . import checkpoints, hardware, quantization, training
 from . import sequence_parallel as finetune_sp
 from .base import fail
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER
@@ -51,6 +51,7 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
         else:
             zero.pop("offload_param", None)
     check_offload(zero)
+    quantization.check(args, zero.get("stage"))  # 8 bits cannot be sharded
     from deepspeed.accelerator import get_accelerator
     check_precision(args.precision, get_accelerator())
     if zero.get("offload_param", {}).get("device") == "nvme":
