@@ -63,7 +63,7 @@ def keep_trainable(model, flag):
     layers = quantized_layers(model)
     if not layers:
         fail(f"{flag}: bitsandbytes quantized no layer of {type(model).__name__} (it replaces torch.nn.Linear "
-             f"layers only); train it with LoRA over a 16-bit base instead (drop {flag})")
+             f"and Conv1D layers only); train it with LoRA over a 16-bit base instead (drop {flag})")
     for module in layers.values():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
@@ -102,6 +102,20 @@ def full_precision_state(model, state, dtype):
         elif not any(key.startswith(f"{w}.") for w in quantized) and not key.endswith(".SCB"):
             out[key] = value
     return out
+
+
+def load_state_dict(model, state):
+    """model.load_state_dict(state) (a checkpoint's), where a quantized base keeps the weights it was loaded with:
+    bitsandbytes does not take its own entries back (absmax, quant_map, ...), and they are the same ones, quantized
+    from the same files the same way."""
+    if not any(is_quantized(p) for p in model.parameters()):
+        return model.load_state_dict(state)
+    own = [f"{name}.weight" for name in quantized_layers(model)]
+    kept = {k: v for k, v in state.items() if not any(k == w or k.startswith(f"{w}.") for w in own)}
+    result = model.load_state_dict(kept, strict=False)
+    if set(result.missing_keys) - set(own) or result.unexpected_keys:
+        raise RuntimeError(f"the checkpoint does not fit the model: {result}")
+    return result
 
 
 def stored_bytes(n, bits_, out_features=0, storage=4):

@@ -179,15 +179,23 @@ def independent_loss(model_folder, argv, split, indices=None, **load):
     """(summed cross-entropy, tokens) over the tokens that carry loss in these blocks of a split the scripts prepared
     (`argv`: their flags), computed without their batch, mask or loss code: each document alone through the stock
     model, in float64, its loss tokens read from the per-token flags."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64, **load).eval()
+    with torch.no_grad():
+        total, count = documents_loss(model, argv, split, indices)
+    return total.item(), count
+
+
+def documents_loss(model, argv, split, indices=None):
+    """independent_loss's sum (a tensor: backward() gives its gradients) through a model given."""
     import numpy as np
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
 
     from finetune import blocks, data, models
     args = load_script("single-gpu.py").parse_args(argv)
     split_blocks = data.prepare(args, models.load_tokenizer(args.model))[0 if split == "train" else 1]
-    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64, **load).eval()
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64), 0
     for i in range(len(split_blocks)) if indices is None else indices:
         start, length = int(split_blocks.starts[i]), int(split_blocks.lengths[i])
         ids = torch.from_numpy(np.asarray(split_blocks.tokens[start:start + length], dtype=np.int64))
@@ -195,9 +203,8 @@ def independent_loss(model_folder, argv, split, indices=None, **load):
         bounds = [*np.flatnonzero(flags & blocks.DOC_START), length]
         for a, b in zip(bounds[:-1], bounds[1:]):
             carries = torch.from_numpy((flags[a + 1:b] & blocks.LOSS) > 0)  # token t+1, predicted at position t
-            with torch.no_grad():
-                logits = model(ids[None, a:b]).logits[0, :-1]
-            total += F.cross_entropy(logits[carries], ids[a + 1:b][carries], reduction="sum").item()
+            logits = model(ids[None, a:b]).logits[0, :-1]
+            total = total + F.cross_entropy(logits[carries].double(), ids[a + 1:b][carries], reduction="sum")
             count += int(carries.sum())
     return total, count
 
