@@ -144,6 +144,17 @@ def plan_args(model, gpus, **flags):
     return argparse.Namespace(**{**values, **flags})
 
 
+def test_bf16_under_zero2_gives_the_one_process_bf16_run(tiny, wide, tmp_path):
+    """The packed weights are stored in bf16 (bnb_4bit_quant_storage), which the engine's cast to bf16 leaves as
+    they are: the same steps as one process, to bf16's rounding."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    single.main(qlora_args(wide, tiny, one, **{"--precision": "bf16", "--eval-every": 0}))
+    argv = qlora_args(wide, tiny, two, **{"--precision": "bf16", "--batch-size": 2, "--zero-stage": 2})
+    check(launch("forked", "zero-optimization.py", argv + ["--deepspeed"]))
+    assert results(two)["ran"]["engine_precision"] == "bf16"
+    assert_close_losses(results(one)["losses"], results(two)["losses"], rtol=1e-3)
+
+
 @pytest.mark.quick
 def test_eight_bits(tiny, wide, tmp_path):
     """LLM.int8 (its activations are rounded too: no exact reference): it trains, and the export is a plain model."""
