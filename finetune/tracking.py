@@ -21,20 +21,23 @@ OPEN = []  # the Trackers of this process that are open: close_all() closes them
 class Trackers:
     """The trackers --report-to names, opened on rank 0 at the first metric (after a resume has restored the step),
     and closed however the run ends (close_all): finished, stopped by a signal, failed. TensorBoard is flushed at
-    every write, so a SIGKILL (nothing can run then) loses none of it; W&B hands its records to its own service
-    process, which writes them in batches and as the run finishes: a SIGKILL loses what it had not written yet."""
+    every write, so a SIGKILL (nothing can run then) loses none of it. W&B hands its records to its own service
+    process, which writes them in blocks and as the run finishes (measured: a SIGKILL after 200 steps left 103 to
+    199 of them, however long after the last one): at each checkpoint its run is finished, and the next metric
+    reopens it, so a SIGKILL loses at most what was logged since the last checkpoint."""
 
     def __init__(self, names, out, args, rank):
         self.names = [n for n in names if n != "none"]
-        self.out, self.args, self.rank, self.writers = Path(out), args, rank, None
+        self.out, self.args, self.rank, self.writers, self.closed = Path(out), args, rank, None, False
         if rank == 0 and "wandb" in self.names:
             check_wandb(os.environ)
 
     def open(self, step):
-        """`step`: the last step already done (0, or the step resumed from)."""
-        self.writers = {}
-        OPEN.append(self)
-        if "tensorboard" in self.names:
+        """`step`: the last step already done (0, or the step resumed from). Opens those not open."""
+        if self.writers is None:
+            self.writers = {}
+            OPEN.append(self)
+        if "tensorboard" in self.names and "tensorboard" not in self.writers:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: events a killed run logged after its checkpoint are dropped, so a resume does not draw
@@ -42,7 +45,7 @@ class Trackers:
             writer = SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=step + 1)
             writer.add_text("args", "    " + json.dumps(vars(self.args), indent=1, default=str).replace("\n", "\n    "))
             self.writers["tensorboard"] = writer
-        if "wandb" in self.names:
+        if "wandb" in self.names and "wandb" not in self.writers:
             import wandb
 
             id_file = self.out / "wandb-run-id"  # the same W&B run on every resume
@@ -53,10 +56,9 @@ class Trackers:
                                                name=self.out.name, settings=wandb.Settings(console="off"))
 
     def log(self, metrics, step):
-        if self.rank != 0 or not self.names:
+        if self.rank != 0 or not self.names or self.closed:
             return
-        if self.writers is None:
-            self.open(step - 1)
+        self.open(step - 1)
         if "tensorboard" in self.writers:
             for name, value in metrics.items():
                 if value is not None:
@@ -68,10 +70,9 @@ class Trackers:
     def text(self, name, rows, step):
         """A table of text (rows: dicts with the same keys), e.g. the answers to a few eval prompts at each eval:
         TensorBoard's text tab shows it as markdown, W&B as a table."""
-        if self.rank != 0 or not self.names or not rows:
+        if self.rank != 0 or not self.names or not rows or self.closed:
             return
-        if self.writers is None:
-            self.open(step - 1)
+        self.open(step - 1)
         columns = list(rows[0])
         if "tensorboard" in self.writers:
             cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")
@@ -85,13 +86,18 @@ class Trackers:
             self.writers["wandb"].log({name: wandb.Table(columns=columns, data=[[row[c] for c in columns]
                                                                                 for row in rows])}, step=step)
 
+    def checkpoint(self):
+        """At a checkpoint: W&B's run finished (all it was handed written), to be reopened by the next metric."""
+        if self.writers and "wandb" in self.writers:
+            self.writers.pop("wandb").finish()
+
     def close(self):
         for writer in (self.writers or {}).values():
             if hasattr(writer, "close"):
                 writer.close()
             else:
                 writer.finish()
-        self.writers = None if not self.names else {}
+        self.writers, self.closed = {}, True
         if self in OPEN:
             OPEN.remove(self)
 

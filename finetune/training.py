@@ -264,7 +264,9 @@ class RunStats:
         self.interval_start += self.last_pause
 
     def state(self):
+        """The run's progress, for a checkpoint: also what the trackers have written by then (tracking.py)."""
         self._flush()
+        self.trackers.checkpoint()
         return {"step": self.step, "losses": self.losses, "train_time": self.train_time, "tokens": self.tokens,
                 "intervals": self.intervals, "grad_norms": self.grad_norms, "evals": self.evals,
                 "eval_time": self.eval_time}
