@@ -233,7 +233,8 @@ def plan(args):
         peak_at = lambda block: max(states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"])
         peak = peak_at(args.block_size)
         budget = args.gpu_memory * GiB * HEADROOM
-        load = 0 if option.startswith("ZeRO-3") else 4 * total * args.gpus  # each process loads the model on CPU
+        # each process loads the model on CPU: fp32, a LoRA base in the run's precision (models.load_causal_lm)
+        load = 0 if option.startswith("ZeRO-3") else (b if args.lora_rank else 4) * total * args.gpus
         if bits:  # every process loads and quantizes the whole model: transformers skips zero.Init for it
             load = (b * total + constants) * args.gpus
         cpu = states["cpu"] * args.gpus + load

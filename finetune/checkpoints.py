@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import hangs, quantization
+from . import hangs
 from .base import ROOT, fail, write_json
 
 STOPPED = 75  # the exit status of a run a signal stopped, its checkpoint written: resume it (EX_TEMPFAIL)
@@ -159,7 +159,7 @@ def load_state(folder, model, optimizer, scheduler, scaler, device):
     copied into the model, the optimizer (onto its parameters' device), the schedule and the scaler, and dropped.
     Returns the run's progress (RunStats.state)."""
     state = torch.load(folder / "state.pt", map_location="cpu", mmap=device.type == "cuda", weights_only=False)
-    quantization.load_state_dict(model, state["model"])  # a 4/8-bit base: the one just loaded
+    model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])

@@ -6,8 +6,7 @@ import torch
 
 from .base import fail
 
-# bitsandbytes' packed 4-bit layout for its CPU kernel: NF4 + double quantization, 64 weights per scale, 256 scales
-# per second-level scale (bitsandbytes' defaults for both)
+# NF4 with double quantization as bitsandbytes makes it: a scale per 64 weights, a second-level scale per 256 of those
 BLOCK, NESTED_BLOCK = 64, 256
 
 
@@ -38,8 +37,9 @@ def check(args, zero_stage=None, library=True):
 
 def loading_config(args, compute_dtype):
     """transformers' BitsAndBytesConfig: NF4 with double quantization (QLoRA's), the matmuls in the run's precision,
-    the packed bytes stored in that same dtype (ZeRO-3 gathers and bf16/fp16 engines cast parameters by dtype: a
-    uint8 store beside bf16 weights is what PEFT's ZeRO-3 + QLoRA guide warns about)."""
+    the packed bytes stored in that same dtype (bnb_4bit_quant_storage, as PEFT's ZeRO-3 + QLoRA guide has it): a
+    bf16 or fp16 engine casts every floating parameter to its dtype, which leaves them as they are then (stored as
+    fp32 they would be converted as numbers)."""
     from transformers import BitsAndBytesConfig
 
     if bits(args) == 8:
@@ -67,6 +67,21 @@ def keep_trainable(model, flag):
     for module in layers.values():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+        module._load_from_state_dict = _keeping_its_weight(module._load_from_state_dict)
+
+
+def _keeping_its_weight(load):
+    """A quantized layer's state-dict loading (a resume, --final best, DeepSpeed's load_checkpoint) that keeps the
+    weight it was loaded with: bitsandbytes does not take its own entries back (weight.absmax, weight.quant_map, ...:
+    refused as unexpected), and they are the same ones, quantized from the same files the same way. The rest (a
+    bias) loads as it would."""
+    def keeping(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for key in [k for k in state_dict if k == f"{prefix}weight" or k.startswith(f"{prefix}weight.")]:
+            del state_dict[key]
+        load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if f"{prefix}weight" in missing_keys:
+            missing_keys.remove(f"{prefix}weight")
+    return keeping
 
 
 def is_quantized(p):
@@ -102,20 +117,6 @@ def full_precision_state(model, state, dtype):
         elif not any(key.startswith(f"{w}.") for w in quantized) and not key.endswith(".SCB"):
             out[key] = value
     return out
-
-
-def load_state_dict(model, state):
-    """model.load_state_dict(state) (a checkpoint's), where a quantized base keeps the weights it was loaded with:
-    bitsandbytes does not take its own entries back (absmax, quant_map, ...), and they are the same ones, quantized
-    from the same files the same way."""
-    if not any(is_quantized(p) for p in model.parameters()):
-        return model.load_state_dict(state)
-    own = [f"{name}.weight" for name in quantized_layers(model)]
-    kept = {k: v for k, v in state.items() if not any(k == w or k.startswith(f"{w}.") for w in own)}
-    result = model.load_state_dict(kept, strict=False)
-    if set(result.missing_keys) - set(own) or result.unexpected_keys:
-        raise RuntimeError(f"the checkpoint does not fit the model: {result}")
-    return result
 
 
 def stored_bytes(n, bits_, out_features=0, storage=4):

@@ -116,18 +116,25 @@ def test_resume_gives_the_uninterrupted_run(tiny, wide, qlora, tmp_path):
 
 def test_zero3_on_two_ranks_gives_the_one_process_run(tiny, wide, qlora, tmp_path):
     """ZeRO-3 with CPU offload and gradient checkpointing, evaluated at the end only: the losses, gradient norms and
-    adapters of the one process that evaluated after every step. Each run's model states as plan.py plans them."""
+    adapters of the one process that evaluated after every step; also resumed on one rank (the quantized layers keep
+    the base they were loaded with). Each run's model states as plan.py plans them."""
     out = tmp_path / "run"
     argv = qlora_args(wide, tiny, out, **{"--batch-size": 2, "--zero-stage": 3, "--offload": "cpu",
                                           "--eval-every": 0})
     check(launch("forked", "zero-optimization.py", argv + ["--deepspeed", "--gradient-checkpointing"]))
     mine, ref = results(out), results(qlora)
-    assert_close_losses(ref["losses"], mine["losses"])
-    assert_close_losses(ref["grad_norms"], mine["grad_norms"])
-    a, b = (load_file(str(o / "final" / "adapter" / "adapter_model.safetensors")) for o in (out, qlora))
-    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
-    final, ref_final = weights(out / "final"), weights(qlora / "final")
-    assert all((final[k] - ref_final[k]).abs().max() <= 1e-5 for k in ref_final)
+    for resumed in (False, True):  # then resumed on one rank, from the universal form of step 2's checkpoint
+        if resumed:
+            crash_after_first_checkpoint(out)
+            check(launch("forked-python", "zero-optimization.py", argv + ["--deepspeed", "--batch-size=4",
+                                                                          "--resume"]))
+            assert_resumed(out)
+        assert_close_losses(ref["losses"], results(out)["losses"])
+        assert_close_losses(ref["grad_norms"], results(out)["grad_norms"])
+        a, b = (load_file(str(o / "final" / "adapter" / "adapter_model.safetensors")) for o in (out, qlora))
+        assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+        final, ref_final = weights(out / "final"), weights(qlora / "final")
+        assert all((final[k] - ref_final[k]).abs().max() <= 1e-5 for k in ref_final)
     for r, option in ((ref, "ZeRO-0"), (mine, "ZeRO-3 + CPU offload")):
         planned = plan.plan(plan_args(wide, r["world_size"], lora_rank=8, load_in_4bit=True, precision="fp32"))[2]
         planned = next(row for row in planned if row["option"] == option)["held_after_step_bytes_per_rank"]
