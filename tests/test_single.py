@@ -3,6 +3,7 @@ import contextlib
 import gc
 import json
 import math
+import re
 import shutil
 import weakref
 
@@ -158,8 +159,9 @@ def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, t
         assert tokenizer.decode(new, skip_special_tokens=True).strip() == answer
     run_id = (out / "wandb-run-id").read_text()
     runs = sorted((out / "wandb").glob("offline-run-*"))
-    # the first launch and the resume (one folder when both began within the same second): one run id
-    assert 1 <= len(runs) <= 2 and all(p.name.endswith(f"-{run_id}") for p in runs)
+    # a W&B run per checkpoint interval (each checkpoint finishes it: tracking.py), steps 1-2 and 3-4, then the
+    # resume's 3-4, all one run id (wandb adds -1 to a folder whose second is taken)
+    assert len(runs) == 3 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", p.name) for p in runs)
     assert all((p / f"run-{run_id}.wandb").stat().st_size > 0 for p in runs)
     single.main(argv + ["--overwrite"])  # a new run in the same folder: new curves, not the old ones continued
     events = EventAccumulator(str(out / "tensorboard"))
