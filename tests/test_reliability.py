@@ -211,6 +211,8 @@ def wandb_history(out):
     """{step: [the metrics logged at it]} of every W&B run under <out>/wandb, read with wandb's own reader."""
     history = {}
     for folder in sorted((out / "wandb").glob("offline-run-*")):
+        if not any(folder.glob("run-*.wandb")):  # a run killed as it opened, before W&B wrote its file: no record
+            continue
         records = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(folder)],
                                  capture_output=True, text=True, check=True).stdout
         for record in map(json.loads, records.splitlines()):
