@@ -230,13 +230,15 @@ def plan(args):
             transient += norm_copy_bytes(params, ranks)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)
             transient += b * min(total, REUSE_DISTANCE)
-        peak_at = lambda block: max(states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"])
+        # QLoRA: transformers loads the whole quantized model onto each rank's GPU (its device_map {"": this GPU},
+        # quantizers/quantizer_bnb_4bit.py), skipping zero.Init: ZeRO-3 partitions it only in deepspeed.initialize
+        loaded = b * total + constants if bits else 0
+        peak_at = lambda block: max(states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"],
+                                    loaded)
         peak = peak_at(args.block_size)
         budget = args.gpu_memory * GiB * HEADROOM
         # each process loads the model on CPU: fp32, a LoRA base in the run's precision (models.load_causal_lm)
-        load = 0 if option.startswith("ZeRO-3") else (b if args.lora_rank else 4) * total * args.gpus
-        if bits:  # every process loads and quantizes the whole model: transformers skips zero.Init for it
-            load = (b * total + constants) * args.gpus
+        load = 0 if option.startswith("ZeRO-3") or bits else (b if args.lora_rank else 4) * total * args.gpus
         cpu = states["cpu"] * args.gpus + load
         fits = peak <= budget and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB) and not (
             bits == 8 and option.startswith("ZeRO-3"))  # refused: ZeRO-3 cannot shard LLM.int8's weights

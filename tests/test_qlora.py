@@ -177,8 +177,8 @@ def test_eight_bits(tiny, wide, tmp_path):
 @pytest.mark.quick
 def test_the_plan_of_a_4_bit_base(tmp_path):
     """bitsandbytes' own bytes for a weight are the planner's; Llama-3-8B QLoRA fits a 24 GB GPU (on a 16 GB one its
-    16-bit LoRA does not, QLoRA does); 70B QLoRA fits two 80 GB GPUs under ZeRO-3, its 16-bit LoRA does not; 8 bits
-    are never planned under ZeRO-3."""
+    16-bit LoRA does not, QLoRA does); 70B QLoRA fits two 80 GB GPUs under ZeRO-3, its 16-bit LoRA does not, and not
+    two 40 GB ones (transformers loads the whole quantized model onto each GPU); 8 bits never under ZeRO-3."""
     import bitsandbytes.functional as F
     from transformers import LlamaConfig
 
@@ -197,6 +197,7 @@ def test_the_plan_of_a_4_bit_base(tmp_path):
     assert "ZeRO-0" in fits("8b", 1, 24, load_in_4bit=True)
     assert "ZeRO-0" not in fits("8b", 1, 16) and "ZeRO-0" in fits("8b", 1, 16, load_in_4bit=True)
     assert "ZeRO-3" in fits("70b", 2, 80, load_in_4bit=True)
+    assert "ZeRO-3" not in fits("70b", 2, 40, load_in_4bit=True)  # each GPU loads the whole 4-bit model first
     assert "ZeRO-3" not in fits("70b", 2, 80)
     eight = fits("8b", 2, 80, load_in_8bit=True)  # never ZeRO-3 (refused), whatever the memory
     assert "ZeRO-0" in eight and not any(option.startswith("ZeRO-3") for option in eight)
