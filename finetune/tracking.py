@@ -49,8 +49,10 @@ class Trackers:
             import wandb
 
             id_file = self.out / "wandb-run-id"  # the same W&B run on every resume
-            run_id = id_file.read_text().strip() if step and id_file.exists() else secrets.token_hex(4)
-            id_file.write_text(run_id)
+            run_id = (id_file.read_text().strip() if step and id_file.exists() else "") or secrets.token_hex(4)
+            tmp = id_file.with_name(f"{id_file.name}.tmp")  # reopened at each checkpoint: a kill mid-write must not
+            tmp.write_text(run_id)  # leave an empty id (wandb refuses it), so the file is replaced whole
+            os.replace(tmp, id_file)
             self.writers["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "finetune"), id=run_id,
                                                resume="allow", dir=str(self.out), config=vars(self.args),
                                                name=self.out.name, settings=wandb.Settings(console="off"))
