@@ -28,11 +28,11 @@ def check(args, zero_stage=None, library=True):
     if bits(args) == 8 and zero_stage == 3:  # Linear8bitLt multiplies by a copy of the weight ZeRO-3 never gathers
         fail("--load-in-8bit cannot be sharded by ZeRO-3 (its int8 weights are read outside the parameter); "
              "use --load-in-4bit, or --zero-stage 2")
-    try:
-        if library:
+    if library:
+        try:
             import bitsandbytes  # noqa: F401
-    except ImportError:
-        fail(f"{flag} needs bitsandbytes: pip install bitsandbytes==0.50.2")
+        except ImportError:
+            fail(f"{flag} needs bitsandbytes: pip install bitsandbytes==0.50.2")
 
 
 def loading_config(args, compute_dtype):
@@ -90,7 +90,9 @@ def is_quantized(p):
 
 
 def dequantized(module, data=None):
-    """The layer's weight in full precision: `data`, the packed bytes (ZeRO-3's gathered copy), or the layer's own."""
+    """The layer's weight in full precision, on the CPU (where the export is built): `data`, the packed bytes (ZeRO-3's
+    gathered copy, already on rank 0's CPU), or the layer's own. Dequantized where the layer's scales are (its GPU in
+    a GPU run: bitsandbytes' kernels want both on one device), then copied to the CPU, a layer at a time."""
     import bitsandbytes.functional as F
 
     weight = module.weight
@@ -98,10 +100,10 @@ def dequantized(module, data=None):
     if hasattr(weight, "quant_state") and weight.quant_state is not None:  # 4 bits
         state = weight.quant_state
         if getattr(state, "packing_format_for_cpu", False):
-            fail("a 4-bit layer was repacked for bitsandbytes' CPU kernel; this is a bug of ours")
-        return F.dequantize_4bit(data.to(state.absmax.device), state).to(state.dtype)
+            raise RuntimeError("a 4-bit layer was repacked for bitsandbytes' CPU kernel (keep_trainable turns it off)")
+        return F.dequantize_4bit(data.to(state.absmax.device), state).to("cpu", state.dtype)
     scales = module.state.SCB if module.state.SCB is not None else weight.SCB  # 8 bits: a scale per output row
-    return F.int8_vectorwise_dequant(data, scales)
+    return F.int8_vectorwise_dequant(data.to(scales.device), scales).cpu()
 
 
 def full_precision_state(model, state, dtype):
