@@ -14,12 +14,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
-from finetune import checkpoints, data, demo, hardware, loss, models, tracking, training
+from finetune import checkpoints, data, demo, hardware, loss, models, preference, tracking, training
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # data (To-Do: your dataset; text, prompt + completion, or messages, found from the columns: docs/data.md)
+    # data (To-Do: your dataset; text, prompt + completion, messages, or preference pairs (DPO), found from the
+    # columns: docs/data.md)
     p.add_argument("--dataset", default="yelp_review_full", help="hub name or local .csv/.json/.jsonl/.txt/.parquet")
     p.add_argument("--dataset-config", help="the hub dataset's subset, if it has several")
     p.add_argument("--text-column", help="plain text, the loss on every token (default: a column named text)")
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--beta", type=float, default=0.1, help="preference pairs (DPO): how far from the reference the "
+                                                           "model may move (lower: further)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup-ratio", type=float, default=0.05, help="share of the steps spent warming up the LR")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradients' norm to this (0: no clipping)")
@@ -130,6 +133,8 @@ def main(argv=None):
         stats.restore(checkpoints.load_state(folder, model, optimizer, scheduler, scaler, device))
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
+    preference.reference(model, (train, evals), args, out, tokenizer.pad_token_id, device, config, autocast, rank,
+                         world_size, say)  # preference pairs (DPO): the model as loaded scores them, once
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(args.packing)} | {total_steps} steps of {global_batch} sequences "
         f"({training.split(args, world_size)}) | {args.precision} | {device}")
@@ -185,7 +190,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- sample
     checkpoints.load_best(model, out, stats, args, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
-    sample = models.sample(model, tokenizer, args.prompt, train.format, device, say, rank, autocast)  # or a line why
+    sample = models.sample(model, tokenizer, args.prompt, evals, device, say, rank, autocast)  # or a line why
 
     # -------------------------------------------------------------------------------- save (rank 0 writes alone)
     final = out / "final"

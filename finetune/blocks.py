@@ -45,10 +45,12 @@ def best_fit_decreasing(lengths, block_size):
     return doc[order], start[order], length[order], block[order]
 
 
-def write_split(batches, block_size, packing, folder):
+def write_split(batches, block_size, packing, folder, pairs=False):
     """The split's blocks, as files: tokens.npy and flags.npy (one entry per token, block after block) and
     blocks.npy (per block: start, length, predicted tokens, and the sum of its segments' squared lengths, which
-    counts the attention's work). Written in chunks, so memory stays flat in the corpus size."""
+    counts the attention's work). Written in chunks, so memory stays flat in the corpus size. `pairs`: each document
+    is a preference pair (its rejected sequence flagged as a document start): a block's count is of its pairs, and
+    pieces.npy lists the pairs (rows) of the blocks, in order."""
     lengths = []
     with open(folder / "source-tokens", "wb") as tokens_out, open(folder / "source-loss", "wb") as loss_out:
         for batch in batches:
@@ -66,7 +68,7 @@ def write_split(batches, block_size, packing, folder):
         n, block, new_segment = np.minimum(block_size, offsets[-1] - src), np.arange(len(src)), np.ones(len(src), bool)
     else:  # one document per row, cut at block_size (the rest is dropped)
         keep = lengths > 0
-        src, n = offsets[:-1][keep], np.minimum(lengths[keep], block_size)
+        doc, src, n = np.flatnonzero(keep), offsets[:-1][keep], np.minimum(lengths[keep], block_size)
         block, new_segment = np.arange(len(src)), np.ones(len(src), bool)
     nblocks = int(block[-1]) + 1 if len(block) else 0
     count = lambda index, weights: np.bincount(index, weights, minlength=nblocks).astype(np.int64)
@@ -87,12 +89,17 @@ def write_split(batches, block_size, packing, folder):
         first = np.cumsum(m) - m  # each piece's first token in this chunk
         within = np.arange(first[-1] + m[-1]) - np.repeat(first, m)
         read, write = np.repeat(src[piece], m) + within, np.repeat(out[piece], m) + within
-        flags = np.memmap(folder / "source-loss", np.uint8, "r")[read] & LOSS
+        flags = np.memmap(folder / "source-loss", np.uint8, "r")[read] & (LOSS | DOC_START)
         flags[first[new_segment[piece]]] = DOC_START
         table[:, 2] += count(np.repeat(block[piece], m), flags & LOSS)
         np.memmap(folder / "flags.bin", np.uint8, "r+")[write] = flags
         tokens = np.memmap(folder / "source-tokens", np.int32, "r")[read]
         np.memmap(folder / "tokens.bin", np.int32, "r+")[write] = tokens
+    if pairs:  # a pair's two sequences attend to themselves; the count is of pairs
+        rejected = np.flatnonzero(np.memmap(folder / "source-loss", np.uint8, "r") & DOC_START) - offsets[:-1]
+        chosen = rejected[doc]
+        table[:, 2], table[:, 3] = count(block, None), count(block, chosen ** 2 + (n - chosen) ** 2)
+        np.save(folder / "pieces.npy", doc)
     np.save(folder / "blocks.npy", table[table[:, 2] > 0])  # a block with nothing to learn (a long prompt's piece)
     for name in ("source-tokens", "source-loss"):
         (folder / name).unlink()
@@ -110,6 +117,11 @@ class Blocks:
         table = np.load(folder / "blocks.npy")
         self.starts, self.lengths, self.predicted, self.attended = (table[:, i] for i in range(4))
         self.format, self.examples, self.cut = meta["format"], meta.get("examples", []), meta[folder.name]["cut"]
+        self.pieces = np.load(folder / "pieces.npy") if self.format == "preference" else None  # pairs, block by block
+        self.pairs_total = len(self.pieces) if self.pieces is not None else 0
+        self.first_piece = np.cumsum(self.predicted) - self.predicted
+        self.split_rows = self.pieces is not None and meta["packing"] == "none"  # a pair's sequences: two rows
+        self.reference, self.beta = None, None  # the pairs' reference log-probabilities (preference.reference)
         if len(self.starts) == 0 or self.predicted.sum() == 0:
             cut = f"; {self.cut} documents were cut at the block size: raise --block-size" if self.cut else ""
             fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked everywhere{cut})")
@@ -118,6 +130,10 @@ class Blocks:
         return len(self.starts)
 
     def describe(self, packing):
+        if self.pieces is not None:
+            cut = f"; {self.cut} pairs cut to fit a block: raise --block-size?" if self.cut else ""
+            return f"{self.pairs_total} pairs in {len(self)} sequences of <= {self.lengths.max()} tokens " \
+                   f"(preference, {packing} packing{cut})"
         cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
         return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
 
@@ -130,11 +146,15 @@ class Blocks:
         only and carries no loss. `sequence_shard`: (this rank's place, ranks) in a sequence-parallel group: its
         slice of the tokens and targets (sequence_parallel.py), no mask (the attention builds it)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-        lengths = self.lengths[indices]
+        first, lengths = self.starts[indices], self.lengths[indices]
+        if self.split_rows:  # --packing none with pairs: the chosen sequence a row, the rejected the next
+            chosen = np.array([1 + np.flatnonzero(self.flags[a + 1:a + n] & DOC_START)[0] for a, n in zip(first, lengths)])
+            first = np.stack([first, first + chosen], 1).ravel()
+            lengths = np.stack([chosen, lengths - chosen], 1).ravel()
         width = int(lengths.max())
         cols = np.arange(width)
         real = cols[None, :] < lengths[:, None]
-        where = np.where(real, self.starts[indices][:, None] + cols[None, :], 0)
+        where = np.where(real, first[:, None] + cols[None, :], 0)
         ids = np.where(real, self.tokens[where], pad_id).astype(np.int64)
         flags = np.where(real, self.flags[where], DOC_START)  # each pad token is a segment of its own
         starts = (flags & DOC_START) > 0
@@ -142,14 +162,17 @@ class Blocks:
         labels = np.full_like(ids, -100)
         labels[:, :-1] = np.where(flags[:, 1:] & LOSS & carry_loss, ids[:, 1:], -100)
         layout = attention_layout(getattr(config, "_attn_implementation", None))
+        sequence = np.cumsum(starts & real).reshape(real.shape) - 1  # pairs: which answer each token is of
         if layout == "varlen":  # one row of the real tokens; FlashAttention takes the segments' boundaries
-            ids, positions, labels, starts = (x[real][None] for x in (ids, positions, labels, starts))
+            ids, positions, labels, starts, sequence = (x[real][None] for x in (ids, positions, labels, starts,
+                                                                                sequence))
             bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
         if sequence_shard and sequence_shard[1] > 1:
             from . import sequence_parallel
             return sequence_parallel.shard(ids, positions, labels, *sequence_shard, device, layout)
         segments = np.cumsum(starts, axis=-1)
-        index = hardware.to_device(np.flatnonzero(labels != -100), device)
+        where_loss = np.flatnonzero(labels != -100)
+        index = hardware.to_device(where_loss, device)
         ids, positions, labels, segments = hardware.to_device(np.stack([ids, positions, labels, segments]), device)
         inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
         if layout == "varlen":
@@ -160,7 +183,19 @@ class Blocks:
             causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
             inputs["attention_mask"] = document_masks(
                 (segments[:, None, :, None] == segments[:, None, None, :]) & causal, config, layout)
-        return inputs, (labels, index)
+        if self.pieces is None:
+            return inputs, (labels, index)
+        # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
+        pairs = self.pair_ids(indices) if carry_loss else np.zeros(0, np.int64)
+        reference = self.reference[torch.from_numpy(pairs)].to(device) if self.reference is not None else None
+        return inputs, (labels, index, hardware.to_device(sequence.ravel()[where_loss], device), len(pairs),
+                        reference, self.beta)
+
+    def pair_ids(self, indices):
+        """The pairs (rows of the split) in these blocks, in the order their sequences lie in a batch of them."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        return np.concatenate([self.pieces[a:a + k] for a, k in zip(self.first_piece[indices],
+                                                                     self.predicted[indices])]).astype(np.int64)
 
 
 def document_masks(same, config, layout):

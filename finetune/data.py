@@ -6,6 +6,7 @@ Three formats, found from the columns (see docs/data.md):
   prompt + completion    TRL's names; the loss is on the completion only
   messages               a list of {role, content}, rendered with the tokenizer's chat template; the loss is on the
                          assistant turns only (--train-on-prompt puts it back on every token, in both)
+  preference pairs       chosen + rejected (and prompt): the DPO loss (preference.py, docs/preference.md)
 Packing (--packing): `isolated` places whole documents into blocks (best-fit decreasing; only a document longer than
 a block is cut) and each attends only to itself, its positions restarting at 0; `stream` concatenates and cuts, as
 run_clm does (documents see each other); `none` is one document per row, padded.
@@ -17,12 +18,13 @@ import shutil
 import time
 from pathlib import Path
 
+from . import preference
 from .base import fail
 from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
-VERSION = 2  # of the prepared files' layout: part of the cache key
+VERSION = 3  # of the prepared files' layout: part of the cache key
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
 BATCH = 10_000
@@ -96,6 +98,13 @@ def _load(name, config_name):
 
 def find_format(columns, args):
     """(format, {role: column}) from the flags, or else from the column names."""
+    named = args.text_column or args.prompt_column or args.completion_column or args.messages_column
+    if not named and {"chosen", "rejected"} & set(columns):  # preference pairs, for DPO
+        missing = {"chosen", "rejected"} - set(columns)
+        if missing:
+            fail(f"dataset {args.dataset} has a column {({'chosen', 'rejected'} - missing).pop()!r} but no "
+                 f"{missing.pop()!r}: preference pairs need both (it has {', '.join(columns)})")
+        return "preference", {c: c for c in preference.COLUMNS if c in columns}
     if args.messages_column or (not args.prompt_column and not args.text_column and "messages" in columns):
         fmt, names = "messages", {"messages": args.messages_column or "messages"}
     elif args.prompt_column or args.completion_column or (
@@ -156,9 +165,13 @@ def _chat_document(tokenizer, messages):
     return enc["input_ids"], mask
 
 
-def _documents(batch, indices, fmt, tokenizer, train_on_prompt):
+def _documents(batch, indices, fmt, tokenizer, train_on_prompt, block_size):
     """datasets.map function: each row becomes `ids` and `loss` (1 where a token is predicted), or an `error`."""
     eos, rows = tokenizer.eos_token_id, [dict(zip(batch, values)) for values in zip(*batch.values())]
+    if fmt == "preference":  # a pair is one document (preference.py)
+        ids, loss, errors, cut = preference.documents(rows, tokenizer, block_size, _chat_document)
+        return {"ids": ids, "loss": loss, "cut": cut,
+                "error": [f"row {k}: {e}" if e else None for k, e in zip(indices, errors)]}
     errors = [_row_error(fmt, row) for row in rows]
     ok = [i for i, e in enumerate(errors) if e is None]
     ids, loss = [[] for _ in rows], [[] for _ in rows]
@@ -237,7 +250,7 @@ def prepare(args, tokenizer, local_rank=0):
             raise SystemExit(failed.read_text())
         time.sleep(0.5)
     meta = json.loads((folder / "meta.json").read_text())
-    if meta["format"] == "messages" and not tokenizer.chat_template:
+    if meta["chat"] and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE  # as when preparing; saved with the model at the end
     return Blocks(folder / "train", meta), Blocks(folder / "eval", meta)
 
@@ -270,15 +283,20 @@ def _prepare(args, tokenizer, folder, partial):
         if not set(names.values()) <= set(evaluation.column_names):
             fail(f"--eval-dataset {args.eval_dataset} has columns {', '.join(evaluation.column_names)} and the "
                  f"training data is {fmt} in {', '.join(names.values())}; give the eval data the same columns")
-    if fmt == "messages" and not getattr(tokenizer, "is_fast", False):
+    chat = fmt == "messages" or fmt == "preference" and isinstance(train[0]["chosen"], list)
+    if fmt == "preference" and (args.packing == "stream" or args.train_on_prompt):
+        fail(f"preference pairs (DPO) are trained whole and on their answers: drop "
+             f"{'--packing stream' if args.packing == 'stream' else '--train-on-prompt'}")
+    if chat and not getattr(tokenizer, "is_fast", False):
         fail(f"{args.model}'s tokenizer is not a fast one: the assistant's tokens are found through a fast "
              f"tokenizer's offsets")
-    if fmt == "messages" and not tokenizer.chat_template:
+    if chat and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    meta = {"format": fmt, "columns": names}
+    meta = {"format": fmt, "columns": names, "chat": chat, "packing": args.packing}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),
-                                  "loss": datasets.Sequence(datasets.Value("uint8"))})
+                                  "loss": datasets.Sequence(datasets.Value("uint8")),
+                                  **({"cut": datasets.Value("bool")} if fmt == "preference" else {})})
     for name, split in (("train", train), ("eval", evaluation)):
         (partial / name).mkdir(parents=True, exist_ok=True)
         rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
@@ -290,14 +308,16 @@ def _prepare(args, tokenizer, folder, partial):
             datasets.enable_progress_bars()
         docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
                         num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
-                        fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=args.train_on_prompt))
+                        fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=args.train_on_prompt,
+                                       block_size=args.block_size))
         if quiet:  # as training.quiet had it
             datasets.disable_progress_bars()
+        fitted = sum(docs["cut"]) if fmt == "preference" else 0  # pairs cut to fit a block
         batches = _record_batches(docs, ["ids", "loss", "error"])
         del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
         cut = write_split(_checked(batches, f"dataset {args.dataset} ({name} split)"), args.block_size, args.packing,
-                           partial / name)
-        meta[name] = {"rows": len(rows), "cut": cut}
+                           partial / name, pairs=fmt == "preference")
+        meta[name] = {"rows": len(rows), "cut": cut + fitted}
     meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows
     (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     try:

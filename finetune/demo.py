@@ -99,6 +99,28 @@ def make_demo_chats(path, n=4000, seed=0):
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
+def make_demo_pairs(path, n=400, seed=0, style="strings"):
+    """Write n generated preference pairs, one per line of a .jsonl file: a question about a review, the right answer
+    chosen over a wrong one. `style`: "strings" (prompt, chosen, rejected as text), "messages" (the prompt a list of
+    turns, the answers the assistant's) or "implicit" (chosen and rejected whole conversations)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            label, kind = rng.randrange(5), rng.randrange(2)
+            wrong = rng.choice([other for other in range(5) if answer(other, kind) != answer(label, kind)])
+            review = f"The {rng.choice(_DISHES)} was {rng.choice(_WORDS[label])}. {_ENDINGS[label]}"  # short: fast tests
+            prompt = question(review, kind)
+            good, bad = answer(label, kind), answer(wrong, kind)
+            if style == "strings":
+                row = {"prompt": prompt + "\nAnswer:", "chosen": " " + good, "rejected": " " + bad}
+            else:
+                turns = [{"role": "user", "content": prompt}]
+                said = lambda text: [{"role": "assistant", "content": text}]
+                row = {"prompt": turns, "chosen": said(good), "rejected": said(bad)} if style == "messages" else \
+                    {"chosen": turns + said(good), "rejected": turns + said(bad)}
+            f.write(json.dumps(row) + "\n")
+
+
 def held_out_question(seed=12345):
     """A question about a review the demo never trains on, and its answer: what `make demo` asks at the end."""
     rng = random.Random(seed)

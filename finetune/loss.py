@@ -11,6 +11,11 @@ fused linear cross-entropy, written here in plain PyTorch). It is the model's ow
 calls it: under ZeRO-3 reading the head's weight inside the forward gathers it (and its gradient goes back whole to
 ZeRO's reduction), and the engine's bookkeeping (gradient accumulation) runs. --loss-chunk 0 is the plain path: all
 logits at once, as transformers computes them.
+
+Preference pairs (preference.py) take the same two paths to the DPO loss: each answer's log-probability is the sum
+over its tokens, and the loss of a pair compares the two with the reference's. LinearPreference makes the chunks'
+log-probabilities first, then the pairs' losses and the weight each token's gradient takes from them, then (a second
+pass over the chunks, unless the head is frozen) the weighted gradients.
 """
 import types
 
@@ -48,19 +53,29 @@ def attach(model, chunk_tokens):
     def forward(self, *args, loss_targets=None, **kwargs):
         if loss_targets is None:  # generate(), or any other caller: the model as it was
             return original(*args, **kwargs)
-        labels, index = loss_targets
+        labels, index, *pairs = loss_targets  # pairs: (sequence of each predicted token, pairs, reference, beta)
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
         if not chunk_tokens:
             logits = original(*args, **kwargs).logits
             logits = logits if logits.dtype == torch.float32 else logits.float()
+            if pairs:
+                logits, targets = logits.flatten(0, 1).index_select(0, index), labels.flatten().index_select(0, index)
+                token = -F.cross_entropy(logits, targets, reduction="none")
+                return preference_loss(token, *pairs)
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         hidden = self.base_model(*args, **kwargs)[0]
         hidden = hidden.flatten(0, 1).index_select(0, index)  # only the positions that carry loss
         head = self.get_output_embeddings()
         device = hidden.device.type  # the matmuls in the dtype autocast would give them, as the head's own would
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-        return LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels.flatten().index_select(0, index),
-                                        chunk_tokens, dtype, torch.is_grad_enabled())
+        targets = labels.flatten().index_select(0, index)
+        if pairs and pairs[2] is None:  # the reference pass: the answers' log-probabilities, no gradient
+            return preference_loss(token_logps(hidden, head.weight, head.bias, targets, chunk_tokens, dtype), *pairs)
+        if pairs:
+            return LinearPreference.apply(hidden, head.weight, head.bias, targets, *pairs, chunk_tokens, dtype,
+                                          torch.is_grad_enabled())
+        return LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_tokens, dtype,
+                                        torch.is_grad_enabled())
 
     inner.forward = types.MethodType(forward, inner)  # on the instance: the state dict keeps its names
     return model
@@ -118,7 +133,113 @@ class LinearCrossEntropy(torch.autograd.Function):
 def token_loss_sum(model, inputs, labels):
     """The summed loss of a batch: `labels` is (shifted labels with -100, flat index of the positions that carry
     loss), as blocks.Blocks.batch makes them. The scripts divide it by the global batch's count of such tokens, so
-    every token weighs the same however the batch is split over micro-steps and ranks. A micro-step begun is progress
-    to the hang watchdog (hangs.py), however long the step of many micro-steps takes."""
+    every token weighs the same however the batch is split over micro-steps and ranks. Preference pairs: the summed
+    DPO loss of the batch's pairs, divided by the global batch's count of pairs (blocks.py counts pairs for them); the
+    pairs' metrics wait in PAIR_METRICS for the run's stats. A micro-step begun is progress to the hang watchdog
+    (hangs.py), however long the step of many micro-steps takes."""
     hangs.progress()
-    return model(**inputs, loss_targets=labels)
+    out = model(**inputs, loss_targets=labels)
+    if isinstance(out, tuple):
+        out, metrics = out
+        PAIR_METRICS.append(metrics)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Preference pairs: the DPO loss
+
+PAIR_METRICS = []  # per micro-batch of pairs, the sums of: chosen and rejected rewards, pairs ranked right, logps
+
+
+def take_pair_metrics():
+    """The sums of the pair metrics of the batches since the last call (None without pairs), and forget them."""
+    if not PAIR_METRICS:
+        return None
+    total = torch.stack(PAIR_METRICS).sum(0)
+    PAIR_METRICS.clear()
+    return total
+
+
+def dpo(logps, reference, beta):
+    """The sigmoid DPO loss, summed over the pairs: -log sigmoid(beta * ((chosen - ref) - (rejected - ref))), where
+    `logps` and `reference` are (pairs, 2) log-probabilities. Also d(loss)/d(logps), and the metrics' sums."""
+    chosen, rejected = (beta * (logps[:, i] - reference[:, i]) for i in (0, 1))
+    margin = chosen - rejected
+    d_margin = -torch.sigmoid(-margin)
+    metrics = torch.stack([chosen.sum(), rejected.sum(), (margin > 0).float().sum(), logps[:, 0].sum(), logps[:, 1].sum()])
+    return F.softplus(-margin).sum(), beta * torch.stack([d_margin, -d_margin], 1), metrics.detach().float()
+
+
+def preference_loss(token, sequence, pairs, reference, beta):
+    """From each predicted token's log-probability: each answer's sum; then (the loss, metrics) or, without a
+    reference yet, the (pairs, 2) sums themselves."""
+    logps = torch.zeros(2 * pairs, dtype=torch.float32, device=token.device).index_add(0, sequence, token.float())
+    if reference is None:
+        return logps.view(-1, 2)
+    loss, _, metrics = dpo(logps.view(-1, 2), reference, beta)
+    return loss, metrics
+
+
+def _logits(h, w, b):
+    return (h @ w.t() if b is None else torch.addmm(b, h, w.t())).float()
+
+
+@torch.no_grad()
+def token_logps(hidden, weight, bias, targets, chunk, dtype):
+    """log p(target) of each position, a chunk at a time (float32)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        h_all, w, b = hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+        out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        for start in range(0, len(targets), chunk):
+            logits = _logits(h_all[start:start + chunk], w, b)
+            y = targets[start:start + chunk]
+            out[start:start + chunk] = logits.gather(1, y[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+    return out
+
+
+class LinearPreference(torch.autograd.Function):
+    """dpo() over the pairs of a batch, from the final hidden states, chunk by chunk: the log-probabilities first
+    (token_logps), then the gradients with each token's weight, d(loss)/d(its answer's logp): a second pass over the
+    chunks where the head is trained, else the hidden states' gradient made in the first pass and scaled."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, sequence, pairs, reference, beta, chunk, dtype, with_grads):
+        need_hidden, need_weight, need_bias = (with_grads and needed for needed in ctx.needs_input_grad[:3])
+        token = token_logps(hidden, weight, bias, targets, chunk, dtype)
+        logps = torch.zeros(2 * pairs, dtype=torch.float32, device=hidden.device).index_add_(0, sequence, token)
+        loss, d_logps, metrics = dpo(logps.view(-1, 2), reference, beta)
+        # d(loss)/d(logits) of a token = -d(loss)/d(its logp) x (softmax - one-hot)
+        weights = -d_logps.flatten().index_select(0, sequence)
+        grad_hidden = grad_weight = grad_bias = None
+        if need_hidden or need_weight or need_bias:
+            with torch.autocast(hidden.device.type, enabled=False):
+                h_all, w = hidden.to(dtype), weight.to(dtype)
+                b = bias.to(dtype) if bias is not None else None
+                grad_hidden = torch.empty_like(h_all) if need_hidden else None
+                grad_weight = torch.zeros_like(weight) if need_weight else None
+                grad_bias = torch.zeros_like(bias) if need_bias else None
+                for start in range(0, len(targets), chunk):
+                    h, y = h_all[start:start + chunk], targets[start:start + chunk]
+                    logits = _logits(h, w, b)
+                    logits = logits.sub_(logits.max(dim=-1, keepdim=True).values).exp_()
+                    logits.div_(logits.sum(dim=-1, keepdim=True))
+                    logits[torch.arange(len(y), device=y.device), y] -= 1
+                    g = logits.mul_(weights[start:start + chunk, None]).to(dtype)
+                    if grad_hidden is not None:
+                        grad_hidden[start:start + chunk] = g @ w
+                    if grad_weight is not None and grad_weight.dtype == dtype:
+                        grad_weight.addmm_(g.t(), h)
+                    elif grad_weight is not None:
+                        grad_weight += g.t() @ h
+                    if grad_bias is not None:
+                        grad_bias += g.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(metrics)
+        return loss, metrics
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = lambda g, dtype=None: None if g is None else g.mul_(grad_out).to(dtype or g.dtype)
+        return (scale(grad_hidden, ctx.hidden_dtype), scale(grad_weight), scale(grad_bias), *[None] * 8)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, loss, quantization
+from . import hardware, loss, preference, quantization
 from .base import fail
 
 
@@ -210,16 +210,18 @@ def save_final(model, tokenizer, folder, state_dict=None):
     merged.merge_and_unload().save_pretrained(folder)
 
 
-def sample(model, tokenizer, prompt, fmt, device, say, rank, autocast):
+def sample(model, tokenizer, prompt, split, device, say, rank, autocast):
     """The trained model's answer to --prompt: a chat message for chat data, the text as it is otherwise, with the
-    tokenizer's own special tokens. With the model in memory, under the run's precision (`autocast`: FlashAttention
+    tokenizer's own special tokens; for preference pairs, the prompt of the first held-out pair of `split`. With the model in memory, under the run's precision (`autocast`: FlashAttention
     refuses the fp32 activations of fp32 weights): under ZeRO-3 every rank takes part (its layers are gathered one at a
     time, as in training), so no rank ever holds a whole copy: it runs before rank 0 writes the outputs, so no rank
     waits on a collective while rank 0 saves. A failure here is a line, never a failed run."""
     if not prompt or not _generates(model, rank):
         return None
     try:
-        messages = [{"role": "user", "content": prompt}] if fmt == "messages" else None
+        messages = [{"role": "user", "content": prompt}] if split.format == "messages" else None
+        if split.format == "preference" and split.examples:
+            messages, prompt, _ = preference.examples_prompt(split.examples[0])
         answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device, autocast)
         say(f"sample: {prompt!r} -> {answer!r}")
         return answer
@@ -242,6 +244,8 @@ def answers(model, tokenizer, examples, fmt, device, rank, autocast):
                 last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
                 messages, expected = row["messages"][:last], row["messages"][last]["content"]
                 prompt = messages[-1]["content"] if messages else ""
+            elif fmt == "preference":  # the preferred answer is the expected one
+                messages, prompt, expected = preference.examples_prompt(row)
             else:
                 messages, prompt, expected = None, row["prompt"], row["completion"]
             answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device, autocast)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import hangs, hardware, loss, models, quantization, tracking
+from . import hangs, hardware, loss, models, preference, quantization, tracking
 from .base import ROOT, fail, write_json  # noqa: F401 (the scripts' training.fail, training.write_json)
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
@@ -135,6 +135,7 @@ class RunStats:
         self.peak = hardware.peak_tflops(facts.name, args.precision) if facts.kind == "cuda" else None
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
         self.grad_norms, self.pending_norms, self.evals, self.eval_time = [], [], [], 0.0
+        self.pair_metrics, self.pending_pairs = {name: [] for name in preference.METRICS}, []  # DPO's, per step
         self.final_step = None  # the step of the weights in final/ (load_best)
         self.answers_failed = False  # said once: the trackers' eval answers could not be generated
         self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
@@ -160,6 +161,9 @@ class RunStats:
         self.step += 1
         self.pending.append(step_loss)
         self.pending_norms.append(grad_norm)
+        sums = loss.take_pair_metrics()  # preference pairs: this rank's sums, to average over the global batch's pairs
+        if sums is not None:
+            self.pending_pairs.append(torch.cat([sums, sums.new_tensor([blocks.predicted[indices].sum()])]))
         self.interval_tokens += int(blocks.lengths[indices].sum())
         self.interval_attended += int(blocks.attended[indices].sum())
         profile(self.step)
@@ -174,10 +178,22 @@ class RunStats:
             return
         memory = torch.zeros(self.ranks, device=self.pending[0].device)
         memory[self.rank] = peak_memory_bytes(self.device) / 2**30
-        losses = torch.cat([torch.stack(self.pending).float(), memory])
+        pairs = torch.stack(self.pending_pairs).flatten() if self.pending_pairs else memory[:0]
+        losses = torch.cat([torch.stack(self.pending).float(), memory, pairs.to(memory.device)])
         if self.ranks > 1:
             torch.distributed.all_reduce(losses)
-        losses, self.rank_memory = losses[:len(self.pending)], losses[len(self.pending):].tolist()
+        n = len(self.pending)
+        losses, self.rank_memory, pairs = losses[:n], losses[n:n + self.ranks].tolist(), losses[n + self.ranks:]
+        first_pairs = len(self.pair_metrics["rewards/chosen"]) + 1
+        for chosen, rejected, right, logp_chosen, logp_rejected, count in pairs.view(-1, 6).tolist():
+            count /= self.ranks  # every rank added the global batch's count
+            values = [chosen / count, rejected / count, right / count, (chosen - rejected) / count,
+                      logp_chosen / count, logp_rejected / count]
+            for name, value in zip(preference.METRICS, values):
+                self.pair_metrics[name].append(value)
+        for step in range(first_pairs, len(self.pair_metrics["rewards/chosen"]) + 1):
+            self.trackers.log({f"train/{k}": v[step - 1] for k, v in self.pair_metrics.items()}, step)
+        self.pending_pairs = []
         first = len(self.losses) + 1
         self.losses += losses.tolist()
         self.grad_norms += [float(norm) for norm in self.pending_norms]  # the same on every rank
@@ -201,7 +217,7 @@ class RunStats:
         it; `answers` (models.answers) go to the trackers as text, or the first time they failed, a word of why. Every
         rank calls it (the pending losses go to the trackers first: W&B drops steps that come late)."""
         self._flush()
-        (value, tokens), seconds = result, self.last_pause
+        (value, tokens, accuracy), seconds = result, self.last_pause
         failed = ""
         if isinstance(answers, Exception):
             if not self.answers_failed:
@@ -213,6 +229,11 @@ class RunStats:
         self.eval_time += seconds
         best = min(self.evals, key=lambda e: e[1] if math.isfinite(e[1]) else math.inf)
         mark = " | best so far" if best[0] == step + 1 and len(self.evals) > 1 else ""
+        if accuracy is not None:  # preference pairs: the DPO loss, and how often the chosen answer gains more
+            self.trackers.log({"eval/loss": value, "eval/rewards/accuracies": accuracy, "eval/runtime": seconds},
+                              step + 1)
+            return (f"step {step + 1} | eval DPO loss {value:.4f} | reward accuracy {accuracy:.3f} | {tokens:,} pairs | "
+                    f"{seconds:.1f} s{mark}{failed}")
         self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},
                           step + 1)
         return (f"step {step + 1} | eval loss {value:.4f} | perplexity {perplexity(value):.2f} | {tokens:,} tokens | "
@@ -269,13 +290,14 @@ class RunStats:
         self.trackers.checkpoint()
         return {"step": self.step, "losses": self.losses, "train_time": self.train_time, "tokens": self.tokens,
                 "intervals": self.intervals, "grad_norms": self.grad_norms, "evals": self.evals,
-                "eval_time": self.eval_time}
+                "eval_time": self.eval_time, "pair_metrics": self.pair_metrics}
 
     def restore(self, state):
         self.step, self.losses, self.intervals = state["step"], state["losses"], state["intervals"]
         self.train_time, self.tokens = state["train_time"], state["tokens"]
         self.grad_norms = state.get("grad_norms", [None] * self.step)  # checkpoints written before they were kept
         self.evals, self.eval_time = state.get("evals", []), state.get("eval_time", 0.0)
+        self.pair_metrics = state.get("pair_metrics", self.pair_metrics)
 
     def results(self, world_size, global_batch, held_bytes):
         self._flush()
@@ -287,7 +309,7 @@ class RunStats:
         return {"losses": self.losses, "grad_norms": self.grad_norms, "eval_loss": eval_loss,
                 "perplexity": perplexity(eval_loss) if eval_loss is not None else None, "evals": self.evals,
                 "best_step": best[0], "best_eval_loss": best[1], "final_step": self.final_step or self.step,
-                "eval_time_s": self.eval_time,
+                "eval_time_s": self.eval_time, **{k: v for k, v in self.pair_metrics.items() if v},
                 "train_runtime_s": self.train_time, "train_tokens": self.tokens,
                 "tokens_per_sec": self.tokens / self.train_time if self.train_time else None,
                 "mfu": self.mfu(steady), "log_intervals": self.intervals,
@@ -352,11 +374,11 @@ def peak_memory_bytes(device):
 
 @torch.no_grad()
 def eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank=0, world_size=1):
-    """(summed loss, predicted tokens) over this rank's share of the eval set, as a float64 tensor to all-reduce.
-    Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing
-    left runs a batch whose loss is masked out."""
+    """(summed loss, predicted tokens, 0) over this rank's share of the eval set, as a float64 tensor to all-reduce;
+    for preference pairs (summed DPO loss, pairs, pairs ranked right). Every rank runs the same number of forward
+    passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out."""
     model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(3, dtype=torch.float64, device=device)
     per_step = args.batch_size * world_size
     for start in range(0, len(blocks), per_step):
         mine = torch.arange(start, min(start + per_step, len(blocks)))[rank * args.batch_size:
@@ -364,19 +386,24 @@ def eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank=0
         inputs, labels = blocks.batch(mine if len(mine) else [0], pad_id, device, config, carry_loss=len(mine) > 0)
         with autocast:
             total[0] += loss.token_loss_sum(model, inputs, labels).double()
-        total[1] += len(labels[1])
+        total[1] += labels[3] if len(labels) > 2 else len(labels[1])
+    pairs = loss.take_pair_metrics()
+    if pairs is not None:
+        total[2] = pairs[2]
     model.train()
     return total
 
 
 def evaluate(model, blocks, args, pad_id, device, config, autocast, rank=0, world_size=1):
-    """(eval loss, tokens): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
-    completion and chats), every rank evaluating its share. It draws no random numbers and leaves the model in
-    training mode: a run that evaluates trains exactly as one that does not."""
+    """(eval loss, tokens, None): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
+    completion and chats), every rank evaluating its share; for preference pairs (the mean DPO loss, pairs, the
+    reward accuracy). It draws no random numbers and leaves the model in training mode: a run that evaluates trains
+    exactly as one that does not."""
     sums = eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank, world_size)
     if world_size > 1:
         torch.distributed.all_reduce(sums)
-    return (sums[0] / sums[1]).item(), int(sums[1])
+    accuracy = (sums[2] / sums[1]).item() if blocks.pieces is not None else None
+    return (sums[0] / sums[1]).item(), int(sums[1]), accuracy
 
 
 def perplexity(value):

@@ -1,0 +1,209 @@
+"""Preference pairs (DPO, Rafailov et al. 2023): rows of a better and a worse answer -> one packing unit each, and the
+reference log-probabilities that the loss (loss.py) compares the model's with.
+
+The formats, found from the columns (TRL's names; docs/preference.md):
+  prompt + chosen + rejected   strings (the answers follow the prompt), or messages (the prompt a list of turns,
+                               chosen and rejected the assistant's turns), rendered with the chat template
+  chosen + rejected            whole texts or conversations: the prompt is their shared beginning
+A pair is one document of the prepared files: the chosen sequence, then the rejected one, which starts a segment of
+its own (it attends only to itself), so packing places pairs whole and every micro-batch holds whole pairs. A
+sequence's log-probability is the sum over its answer's tokens (the loss mask). A pair longer than the block loses
+the prompt's beginning (down to one token), then the answers' ends (the longer first): the count is said.
+"""
+import numpy as np
+import torch
+
+from . import hangs
+from .base import fail
+
+COLUMNS = ("prompt", "chosen", "rejected")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rows -> pair documents
+
+def _messages(value):
+    return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                           and isinstance(m.get("content"), str) for m in value)
+
+
+def split_prompt(row):
+    """(prompt, chosen, rejected) of a row, with an implicit prompt taken as the answers' shared beginning (whole
+    turns of a conversation; for text, up to the space before the first character that differs); or an error."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if "prompt" in row:
+        return row["prompt"], chosen, rejected, None
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        shared = len(chosen[:shared].rstrip())  # the space goes with the answers, as a tokenizer reads a word
+        return chosen[:shared], chosen[shared:], rejected[shared:], None
+    if _messages(chosen) and _messages(rejected):
+        shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        return chosen[:shared], chosen[shared:], rejected[shared:], None
+    return None, None, None, "chosen and rejected are not both strings or both lists of {role, content}"
+
+
+def row_error(prompt, chosen, rejected):
+    """Why a pair cannot be trained on, or None."""
+    if not chosen or not rejected:
+        return f"the {'chosen' if not chosen else 'rejected'} answer is empty"
+    if chosen == rejected:
+        return "chosen and rejected are the same: nothing to prefer"
+    if isinstance(chosen, str) != isinstance(rejected, str) or isinstance(chosen, str) != isinstance(prompt, str):
+        return "prompt, chosen and rejected are not all strings or all lists of {role, content}"
+    if isinstance(chosen, list):
+        for name, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not _messages(turns):
+                return f"{name} is not a list of {{role, content}} pairs of strings"
+        for name, turns in (("chosen", chosen), ("rejected", rejected)):
+            if turns[-1]["role"] != "assistant":
+                return f"the last turn of {name} is the {turns[-1]['role']}'s, not the assistant's"
+    return None
+
+
+def sequence(tokenizer, prompt, answer, chat_document):
+    """Token ids of prompt + answer and the mask of the answer's tokens (with the EOS that ends it)."""
+    if isinstance(answer, str):
+        p = tokenizer(prompt)["input_ids"]
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return p + a, [0] * len(p) + [1] * len(a)
+    ids, mask = chat_document(tokenizer, prompt + answer)
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], mask])) == 1)  # where each assistant turn's tokens begin
+    earlier = sum(m["role"] == "assistant" for m in prompt)  # the prompt's own assistant turns are context
+    if earlier:
+        mask = [0] * int(runs[earlier]) + list(mask[runs[earlier]:]) if len(runs) > earlier else [0] * len(mask)
+    return list(ids), list(mask)
+
+
+def fit(chosen, rejected, block_size):
+    """The pair's two (ids, mask) cut to fit a block together, by the rule above: (chosen, rejected, cut?)."""
+    (c, cm), (r, rm) = chosen, rejected
+    if len(c) + len(r) <= block_size:
+        return chosen, rejected, False
+    # the prompt: the tokens both sequences begin with, up to the first answer token of either
+    shared = next((i for i, (x, y) in enumerate(zip(c, r)) if x != y or cm[i] or rm[i]), min(len(c), len(r)))
+    drop = min(-(-(len(c) + len(r) - block_size) // 2), max(0, shared - 1))  # its beginning, down to one token
+    prompt, a, b = shared - drop, len(c) - shared, len(r) - shared
+    room = block_size - 2 * prompt  # for the two answers
+    if a + b > room:  # the longer answer loses its end first
+        a = min(a, max(-(-room // 2), room - b))
+        b = room - a
+    keep = lambda ids, mask, n: (ids[drop:drop + prompt + n], mask[drop:drop + prompt + n])
+    return keep(c, cm, max(a, 0)), keep(r, rm, max(b, 0)), True
+
+
+def documents(rows, tokenizer, block_size, chat_document):
+    """The pair documents of these rows: ids, loss flags (1: predicted; 2: the rejected sequence starts here),
+    errors, and whether each was cut to fit."""
+    ids, loss, errors, cut = [], [], [], []
+    for row in rows:
+        prompt, chosen, rejected, error = split_prompt(row)
+        error = error or row_error(prompt, chosen, rejected)
+        pair, was_cut = None, False
+        if error is None:
+            try:
+                c, r = (sequence(tokenizer, prompt, answer, chat_document) for answer in (chosen, rejected))
+                c, r, was_cut = fit(c, r, block_size)
+                if not any(c[1][1:]) or not any(r[1][1:]):
+                    error = (f"the pair does not fit --block-size {block_size} with a token of each answer: "
+                             f"raise --block-size")
+                else:
+                    pair = (c[0] + r[0], list(c[1]) + [2] + list(r[1][1:]))
+            except ValueError as e:
+                error = str(e)
+        ids.append(pair[0] if pair else [])
+        loss.append(pair[1] if pair else [])
+        errors.append(error)
+        cut.append(was_cut)
+    return ids, loss, errors, cut
+
+
+def examples_prompt(row):
+    """(messages or None, prompt text, preferred answer) of a prepared example row, for the answers and the sample."""
+    prompt, chosen, _, error = split_prompt(row)
+    if error or prompt is None:
+        return None, "", ""
+    if isinstance(prompt, list):
+        return prompt, prompt[-1]["content"] if prompt else "", chosen[-1]["content"]
+    return None, prompt, chosen
+
+
+# ----------------------------------------------------------------------------------------------------
+# The reference: the model as loaded scores every pair once
+
+def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0, world_size=1, say=print):
+    """Before the first step: the log-probabilities of every pair's two answers under the model as loaded (with LoRA:
+    the base), each rank its share, summed over the ranks, kept in <output-dir>/reference.pt; a resume reads that
+    file (rank 0 reads it, the others get it from rank 0), so the reference never moves and is never recomputed.
+    They go with the splits' batches to the loss, with --beta. No second copy of the model at any time."""
+    train = splits[0]
+    if train.format != "preference":
+        return
+    if getattr(args, "sequence_parallel", 1) > 1:
+        fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
+    without_dropout(model)
+    path = out / "reference.pt"
+    if rank == 0 and path.exists():
+        saved = torch.load(path, weights_only=True)
+        tensors = [saved[name] for name in ("train", "eval")]
+        if any(len(t) != n for t, n in zip(tensors, (train.pairs_total, splits[1].pairs_total))):
+            fail(f"{path} holds the reference of other data; start the run again with --overwrite")
+    elif args.resume and rank == 0:
+        fail(f"{path} is missing, so the resumed run has no reference; start again with --overwrite")
+    else:
+        tensors = None
+    has = torch.tensor([tensors is not None], device=device)
+    if world_size > 1:
+        torch.distributed.broadcast(has, 0)
+    if has.item():
+        tensors = tensors or [torch.zeros(s.pairs_total, 2, dtype=torch.float64) for s in splits]
+        if world_size > 1:
+            for t in tensors:
+                moved = t.to(device)
+                torch.distributed.broadcast(moved, 0)
+                t.copy_(moved.cpu())
+    else:
+        tensors = [_scores(model, s, args, pad_id, device, config, autocast, rank, world_size) for s in splits]
+        if rank == 0:
+            tmp = path.with_name(".tmp-reference.pt")
+            torch.save({"train": tensors[0], "eval": tensors[1]}, tmp)
+            tmp.replace(path)
+        say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once, kept in {path}")
+    for split, scores in zip(splits, tensors):
+        split.reference, split.beta = scores.float(), args.beta
+
+
+def without_dropout(model):
+    """DPO trains without dropout (as TRL does by default): the first step's loss is then ln 2 exactly, and the
+    model's log-probabilities are the ones the reference was scored with. Dropout layers, and the rates the models
+    keep as numbers (OPT's attention_dropout, GPT-2's attn_pdrop, ...), all to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop") or name == "layerdrop"):
+                setattr(module, name, 0.0)
+
+
+@torch.no_grad()
+def _scores(model, blocks, args, pad_id, device, config, autocast, rank, world_size):
+    """Each pair's (chosen, rejected) log-probabilities, float64, on every rank. Every rank runs the same number of
+    forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a masked batch."""
+    model.eval()
+    scores = torch.zeros(blocks.pairs_total, 2, dtype=torch.float64, device=device)
+    per_step = args.batch_size * world_size
+    for start in range(0, len(blocks), per_step):
+        mine = torch.arange(start, min(start + per_step, len(blocks)))[rank * args.batch_size:
+                                                                       (rank + 1) * args.batch_size]
+        inputs, targets = blocks.batch(mine if len(mine) else [0], pad_id, device, config)
+        hangs.progress()
+        with autocast:
+            logps = model(**inputs, loss_targets=targets)
+        if len(mine):
+            scores[torch.from_numpy(blocks.pair_ids(mine)).to(device)] = logps.view(-1, 2).double()
+    model.train()
+    if world_size > 1:
+        torch.distributed.all_reduce(scores)
+    return scores.cpu()

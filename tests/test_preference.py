@@ -1,0 +1,292 @@
+"""Preference pairs (DPO): the formats found from the columns, a pair packed whole, the truncation rule, bad input; the
+loss and its gradient against the DPO formula computed with stock transformers in float64; packed = unpacked; ZeRO
+0-3 (and LoRA under ZeRO-3) on 2 ranks = one process; resume exact, from the reference kept with the run."""
+import argparse
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
+from finetune import blocks, data, demo, loss, preference, training
+from test_single import assert_resumed, crash_after_first_checkpoint
+
+single = load_script("single-gpu.py")
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny, tmp_path_factory):
+    """48 generated pairs in each format, and a tiny OPT (dropout 0.1: DPO turns it off) with a tokenizer of their
+    words: a pair is 46-64 tokens, two or three a block."""
+    root = tmp_path_factory.mktemp("pairs")
+    files = {}
+    for style in ("strings", "messages", "implicit"):
+        files[style] = root / f"{style}.jsonl"
+        demo.make_demo_pairs(files[style], n=48, seed=3, style=style)
+    texts = [" ".join(json.loads(line).values()) for line in open(files["strings"])]
+    tokenizer = demo.make_demo_tokenizer(texts + ["### User: ### Assistant:"], vocab_size=1000)
+    demo.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=BLOCK, seed=0)
+    config = json.loads((root / "model" / "config.json").read_text())
+    (root / "model" / "config.json").write_text(json.dumps({**config, "dropout": 0.1, "attention_dropout": 0.1}))
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    return {"model": str(root / "model"), "tokenizer": tokenizer, **{k: str(v) for k, v in files.items()}}
+
+
+def dpo_args(pairs, out, **overrides):
+    return base_args({"model": pairs["model"], "data": pairs["strings"]}, out, **{
+        "--block-size": BLOCK, "--batch-size": 4, "--lr": 3e-3, "--beta": 0.5, "--warmup-ratio": 0, **overrides})
+
+
+def data_args(path, **kw):
+    base = dict(dataset=str(path), dataset_config=None, seed=0, max_train_samples=0, block_size=BLOCK,
+                packing="isolated", train_on_prompt=False, text_column=None, prompt_column=None,
+                completion_column=None, messages_column=None, num_proc=0, model="tiny", eval_dataset=None,
+                eval_fraction=0.05, max_eval_samples=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def sequences(split):
+    """Every pair of a split as (chosen tokens, its loss flags, rejected tokens, its flags), in the pairs' order."""
+    out = {}
+    for b in range(len(split)):
+        s, n = split.starts[b], split.lengths[b]
+        tokens, flags = np.asarray(split.tokens[s:s + n]), np.asarray(split.flags[s:s + n])
+        bounds = [*np.flatnonzero(flags & blocks.DOC_START), n]
+        segments = [(tokens[a:z].tolist(), (flags[a:z] & blocks.LOSS).tolist()) for a, z in zip(bounds, bounds[1:])]
+        for k, pair in enumerate(split.pair_ids([b])):
+            out[int(pair)] = (*segments[2 * k], *segments[2 * k + 1])
+    return [out[i] for i in range(len(out))]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Formats, packing, truncation, bad input (in process)
+
+@pytest.mark.quick
+def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs):
+    tok = pairs["tokenizer"]
+    prepared = {style: data.prepare(data_args(pairs[style]), tok) for style in ("strings", "messages", "implicit")}
+    for style, (train, evals) in prepared.items():
+        assert train.format == "preference" and train.pairs_total + evals.pairs_total == 48, style
+        assert train.predicted.sum() == train.pairs_total and train.cut == 0  # counts are of pairs; none cut
+        assert train.predicted.max() >= 2 and len(train) < train.pairs_total  # several pairs a block
+        assert sorted(train.pieces.tolist()) == list(range(train.pairs_total))  # every pair once, whole
+    prompts = {tuple(tok(json.loads(line)["prompt"])["input_ids"]) for line in open(pairs["strings"])}
+    for c, cm, r, rm in sequences(prepared["strings"][0]):
+        p = cm.index(1)  # the prompt, the same in both; the loss on each answer and its EOS, nowhere else
+        assert tuple(c[:p]) in prompts and c[:p] == r[:p] and c[-1] == r[-1] == tok.eos_token_id
+        assert cm == [0] * p + [1] * (len(c) - p) and rm == [0] * p + [1] * (len(r) - p)
+    # the conversations with their prompt implicit are the same pairs as with it given
+    assert sequences(prepared["implicit"][0]) == sequences(prepared["messages"][0])
+    assert sequences(prepared["implicit"][1]) == sequences(prepared["messages"][1])
+    c, cm, r, rm = sequences(prepared["messages"][0])[0]
+    assert tok.decode([t for t, m in zip(c, cm) if m]).strip() in {demo.answer(k, q) + tok.eos_token
+                                                                   for k in range(5) for q in range(2)}
+
+
+@pytest.mark.quick
+def test_a_pair_longer_than_the_block_loses_the_prompts_beginning_then_the_answers_ends():
+    seq = lambda prompt, answer: (list(range(prompt)) + [100 + i for i in range(answer)], [0] * prompt + [1] * answer)
+    c, r = seq(10, 4), (list(range(10)) + [200, 201], [0] * 10 + [1, 1])
+    assert preference.fit(c, r, 30) == (c, r, False)
+    (c2, cm2), (r2, rm2), cut = preference.fit(c, r, 20)  # 26 tokens: 3 of the prompt's first go from each
+    assert cut and c2 == list(range(3, 10)) + [100, 101, 102, 103] and r2 == list(range(3, 10)) + [200, 201]
+    assert cm2 == [0] * 7 + [1] * 4 and rm2 == [0] * 7 + [1] * 2
+    (c3, _), (r3, _), _ = preference.fit(c, r, 6)  # one prompt token left; 4 for the answers: the longer gives
+    assert c3 == [9, 100, 101] and r3 == [9, 200, 201]
+    (c4, _), (r4, _), _ = preference.fit(seq(10, 9), seq(10, 1), 8)  # 6 for the answers: 5 + the shorter's 1
+    assert c4 == [9, 100, 101, 102, 103, 104] and r4 == [9, 100]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("rows, flags, message", [
+    ([{"prompt": "a", "chosen": "", "rejected": " b"}], {}, "row 0: the chosen answer is empty"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " b"}], {}, "chosen and rejected are the same"),
+    ([{"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
+       "rejected": [{"role": "user", "content": "c"}]}], {}, "the last turn of rejected is the user's"),
+    ([{"chosen": "The answer is 4", "rejected": 5}], {}, "not both strings or both lists"),
+    ([{"prompt": "a long prompt here", "chosen": " b", "rejected": " c"}], {"block_size": 3}, "does not fit"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"packing": "stream"}, "drop --packing stream"),
+])
+def test_bad_pairs_are_one_line_and_nothing_is_prepared(pairs, tmp_path, rows, flags, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 8))
+    before = set(data.CACHE.iterdir()) if data.CACHE.exists() else set()
+    with pytest.raises(SystemExit, match=message):
+        data.prepare(data_args(path, **flags), pairs["tokenizer"])
+    assert {p for p in data.CACHE.iterdir() if not p.name.endswith(".failed")} <= before
+
+
+@pytest.mark.quick
+def test_a_missing_column_is_one_line(pairs, tmp_path):
+    path = tmp_path / "half.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "a", "chosen": " b"}) + "\n" for _ in range(8)))
+    with pytest.raises(SystemExit, match="'rejected'"):
+        data.prepare(data_args(path), pairs["tokenizer"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loss: against the formula, packed = unpacked, chunked = plain
+
+def independent_dpo(model, split, pair_ids, reference, beta):
+    """mean over the pairs of -log sigmoid(beta ((c - c_ref) - (r - r_ref))), each sequence alone through the
+    model given (stock transformers), its answer's log-probability summed in float64."""
+    seqs, total = sequences(split), 0
+    for i in pair_ids:
+        logps = []
+        for ids, mask in (seqs[i][:2], seqs[i][2:]):
+            logits = model(torch.tensor([ids])).logits[0, :-1].double()
+            carries = torch.tensor(mask[1:]) > 0
+            logps.append(-F.cross_entropy(logits[carries], torch.tensor(ids[1:])[carries], reduction="sum"))
+        ref = reference[i].double()
+        total = total - F.logsigmoid(beta * ((logps[0] - ref[0]) - (logps[1] - ref[1])))
+    return total / len(pair_ids)
+
+
+@pytest.mark.quick
+def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not(pairs):
+    """A reference other than the model's, so that every pair's loss and gradient is its own: the summed loss over a
+    split and its gradients through the model (chunked and plain loss; isolated packing and two rows a pair) equal
+    the formula's, computed pair by pair in float64 with the stock model; the metrics too."""
+    tok = pairs["tokenizer"]
+    results_by = {}
+    for packing in ("isolated", "none"):
+        train, _ = data.prepare(data_args(pairs["strings"], packing=packing), tok)
+        torch.manual_seed(0)
+        train.reference = -60 - 20 * torch.rand(train.pairs_total, 2)
+        train.beta = 0.5
+        for chunk in (16, 0):
+            model = loss.attach(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
+                                chunk)
+            preference.without_dropout(model)
+            blocks_all = np.arange(len(train))
+            inputs, targets = train.batch(blocks_all, tok.pad_token_id, torch.device("cpu"), model.config)
+            value = loss.token_loss_sum(model, inputs, targets) / train.pairs_total
+            value.backward()
+            metrics = loss.take_pair_metrics() / train.pairs_total
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+            results_by[packing, chunk] = value.item(), grads, metrics
+        ids = train.pair_ids(np.arange(len(train)))
+    stock = AutoModelForCausalLM.from_pretrained(pairs["model"], dtype=torch.float64).eval()
+    expected = independent_dpo(stock, train, ids, train.reference, 0.5)
+    expected.backward()
+    assert expected.item() > 0.8  # far from ln 2: the reference is not the model's
+    for key, (value, grads, metrics) in results_by.items():
+        assert value == pytest.approx(expected.item(), rel=1e-5), key
+        for k, p in stock.named_parameters():
+            err = (grads[k].double() - p.grad).abs().max()  # (the keys' bias: no gradient, but rounding)
+            assert err <= 1e-4 * p.grad.abs().max() + 1e-8, (key, k, err.item())
+    # the metrics: rewards beta (logp - ref) and their margin, the share ranked right, the log-probabilities
+    value, _, metrics = results_by["isolated", 16]
+    seqs = sequences(train)
+    with torch.no_grad():
+        logp = torch.tensor([[(-F.cross_entropy(stock(torch.tensor([s[0 + 2 * j]])).logits[0, :-1],
+                                                torch.tensor(s[0 + 2 * j][1:]), reduction="none")
+                               * torch.tensor(s[1 + 2 * j][1:])).sum().item() for j in (0, 1)] for s in seqs])
+    rewards = 0.5 * (logp - train.reference.double())
+    expected = torch.stack([rewards[:, 0].mean(), rewards[:, 1].mean(), (rewards[:, 0] > rewards[:, 1]).double().mean(),
+                            logp[:, 0].mean(), logp[:, 1].mean()])
+    assert metrics.tolist() == pytest.approx(expected.tolist(), rel=1e-5, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Runs: the first step, ZeRO on 2 ranks, resume
+
+@pytest.fixture(scope="module")
+def one_process(pairs, tmp_path_factory):
+    """single-gpu.py on the pairs, 4 steps of 8 pairs (4 x 2 micro-steps), a checkpoint at step 2, an eval at 2 and
+    4; flags -> run folder, each run once."""
+    runs = {}
+
+    def run(**flags):
+        key = tuple(sorted(flags.items()))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("dpo-one")
+            single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--eval-every": 2, **flags}))
+            runs[key] = out
+        return runs[key]
+    return run
+
+
+def test_the_first_step_is_ln2_with_the_formulas_gradient_and_the_reference_is_kept(pairs, one_process):
+    out = one_process()
+    r = results(out)
+    assert r["losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # the model is its own reference at step 1
+    assert r["rewards/chosen"][0] == pytest.approx(0, abs=1e-6) and r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)
+    assert r["losses"][-1] < r["losses"][1] and r["rewards/margins"][-1] > 0  # it learns to prefer the chosen
+    # the gradient of step 1 against the formula's, with stock transformers in float64 on the loaded model
+    args = single.parse_args(dpo_args(pairs, out))
+    train = data.prepare(args, pairs["tokenizer"])[0]
+    first = training.GlobalBatches(len(train), 8, 42)(0).numpy()
+    ids = train.pair_ids(first)
+    stock = AutoModelForCausalLM.from_pretrained(pairs["model"], dtype=torch.float64).eval()
+    with torch.no_grad():
+        reference = torch.stack([torch.stack(_logps(stock, s)) for s in sequences(train)])
+    saved = torch.load(out / "reference.pt")
+    assert torch.allclose(saved["train"], reference, atol=1e-4, rtol=0)  # what the pass kept, fp32 to float64
+    value = independent_dpo(stock, train, ids, reference, 0.5)
+    value.backward()
+    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in stock.parameters())).item()
+    assert value.item() == pytest.approx(math.log(2), abs=1e-12)
+    assert r["grad_norms"][0] == pytest.approx(norm, rel=1e-5)
+    assert r["logps/chosen"][0] == pytest.approx(reference[ids, 0].mean().item(), rel=1e-5)
+    assert r["evals"][0][0] == 2 and r["best_step"] in (2, 4) and len(r["rewards/accuracies"]) == 4
+
+
+def _logps(model, seq):
+    out = []
+    for ids, mask in (seq[:2], seq[2:]):
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+        out.append((-F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none") * torch.tensor(mask[1:])).sum())
+    return out
+
+
+def test_resume_reads_the_kept_reference_and_continues_exactly(pairs, one_process, tmp_path, capsys):
+    whole = one_process()
+    out = tmp_path / "run"
+    shutil.copytree(whole, out)
+    crash_after_first_checkpoint(out)
+    kept = (out / "reference.pt").stat().st_mtime_ns
+    capsys.readouterr()
+    single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--eval-every": 2, "--resume": None}) + ["--resume"])
+    assert "reference log-probabilities" not in capsys.readouterr().out  # read, not computed again
+    assert_resumed(out)
+    assert (out / "reference.pt").stat().st_mtime_ns == kept
+    a, b = results(whole), results(out)
+    assert a["losses"] == b["losses"] and a["rewards/margins"] == b["rewards/margins"]
+    assert_same_weights(weights(whole / "final"), weights(out / "final"), atol=0)
+    crash_after_first_checkpoint(out)
+    (out / "reference.pt").unlink()
+    with pytest.raises(SystemExit, match="reference.pt is missing"):
+        single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--resume": None}) + ["--resume"])
+
+
+def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process, tmp_path):
+    """One launch, five runs (tests/zero_runs.py): 2 ranks x micro-batch 2 x 2 micro-steps, the global batch of one
+    process's 4 x 2. Folded in: two rows a pair (ZeRO-0), the plain loss (ZeRO-1), an eval after every step (ZeRO-2),
+    gradient checkpointing (ZeRO-3), LoRA under ZeRO-3."""
+    lora = {"--lora-rank": 4, "--lora-alpha": 8, "--lr": 1e-2}
+    cases = {0: {"--packing": "none"}, 1: {"--loss-chunk": 0}, 2: {"--eval-every": 1}, 3: {}, "lora": lora}
+    argvs = []
+    for stage, flags in cases.items():
+        extra = ["--gradient-checkpointing"] if stage == 3 else []
+        argvs.append(dpo_args(pairs, tmp_path / f"zero-{stage}", **{
+            "--batch-size": 2, "--grad-accum": 2, "--eval-every": 2, "--zero-stage": 3 if stage == "lora" else stage,
+            **flags}) + ["--deepspeed", *extra])
+    (tmp_path / "runs.json").write_text(json.dumps(argvs))
+    check(launch("forked", "tests/zero_runs.py", [str(tmp_path / "runs.json")], timeout=900))
+    for stage, flags in cases.items():
+        one = one_process(**{k: v for k, v in flags.items() if k in ("--packing", "--lora-rank", "--lora-alpha",
+                                                                       "--lr")})
+        a, b = results(one), results(tmp_path / f"zero-{stage}")
+        assert b["world_size"] == 2 and b["global_batch_size"] == 8, stage
+        assert_close_losses(a["losses"], b["losses"])
+        assert_close_losses(a["grad_norms"], b["grad_norms"])
+        assert_close_losses(a["rewards/margins"][1:], b["rewards/margins"][1:], rtol=1e-4)
+        assert b["evals"][-1][1] == pytest.approx(a["evals"][-1][1], rel=1e-5)
+        assert_same_weights(weights(one / "final"), weights(tmp_path / f"zero-{stage}" / "final"), atol=1e-4)
