@@ -29,7 +29,7 @@ def prepare_output_dir(path, overwrite, resume, rank):
     finished, started = (out / "results.json").exists(), (ckpt / "latest").exists() or any(ckpt.glob("checkpoint-*"))
     if overwrite:
         if rank == 0:
-            for name in ("results.json", "loss.png", "wandb-run-id"):
+            for name in ("results.json", "loss.png", "wandb-run-id", "reference.pt"):
                 (out / name).unlink(missing_ok=True)
             for name in ("checkpoints", "final", "tensorboard", "wandb"):  # the trackers' curves start over too
                 shutil.rmtree(out / name, ignore_errors=True)

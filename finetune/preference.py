@@ -10,6 +10,8 @@ its own (it attends only to itself), so packing places pairs whole and every mic
 sequence's log-probability is the sum over its answer's tokens (the loss mask). A pair longer than the block loses
 the prompt's beginning (down to one token), then the answers' ends (the longer first): the count is said.
 """
+import time
+
 import numpy as np
 import torch
 
@@ -144,16 +146,14 @@ def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0
     if getattr(args, "sequence_parallel", 1) > 1:
         fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
     without_dropout(model)
-    path = out / "reference.pt"
-    if rank == 0 and path.exists():
+    path, tensors = out / "reference.pt", None
+    if args.resume and rank == 0:  # a run that starts (an earlier run's file included) scores them anew
+        if not path.exists():
+            fail(f"{path} is missing, so the resumed run has no reference; start again with --overwrite")
         saved = torch.load(path, weights_only=True)
         tensors = [saved[name] for name in ("train", "eval")]
         if any(len(t) != n for t, n in zip(tensors, (train.pairs_total, splits[1].pairs_total))):
             fail(f"{path} holds the reference of other data; start the run again with --overwrite")
-    elif args.resume and rank == 0:
-        fail(f"{path} is missing, so the resumed run has no reference; start again with --overwrite")
-    else:
-        tensors = None
     has = torch.tensor([tensors is not None], device=device)
     if world_size > 1:
         torch.distributed.broadcast(has, 0)
@@ -165,12 +165,14 @@ def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0
                 torch.distributed.broadcast(moved, 0)
                 t.copy_(moved.cpu())
     else:
+        started = time.perf_counter()
         tensors = [_scores(model, s, args, pad_id, device, config, autocast, rank, world_size) for s in splits]
         if rank == 0:
             tmp = path.with_name(".tmp-reference.pt")
             torch.save({"train": tensors[0], "eval": tensors[1]}, tmp)
             tmp.replace(path)
-        say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once, kept in {path}")
+        say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once in "
+            f"{time.perf_counter() - started:.1f} s, kept in {path}")
     for split, scores in zip(splits, tensors):
         split.reference, split.beta = scores.float(), args.beta
 

@@ -264,6 +264,11 @@ def test_resume_reads_the_kept_reference_and_continues_exactly(pairs, one_proces
     (out / "reference.pt").unlink()
     with pytest.raises(SystemExit, match="reference.pt is missing"):
         single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--resume": None}) + ["--resume"])
+    # a run started over never takes an earlier run's reference: with one of zeros left there, step 1 is still ln 2
+    torch.save({"train": torch.zeros(46, 2, dtype=torch.float64), "eval": torch.zeros(2, 2, dtype=torch.float64)},
+               out / "reference.pt")
+    single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--max-steps": 1, "--overwrite": None}) + ["--overwrite"])
+    assert results(out)["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process, tmp_path):

@@ -1,0 +1,149 @@
+"""Preference tuning (DPO) against TRL's DPOTrainer, on 2 ranks, from the same SFT model, pairs, lr, beta, schedule and
+epochs; and DPO's tokens/s against SFT's on the same data. Wall-clock time is the whole launch, as a user waits for it
+(start-up, tokenization, the reference pass). The two tuned models are scored by score() alone: the DPO loss and the
+reward accuracy of held-out pairs against the same reference (the SFT model), pair by pair with stock transformers.
+
+    pip install --no-deps trl==1.16.0 && python3 bench/dpo.py     # about 15 minutes on 2 cores: out/bench/DPO.md
+
+The data: the demo's questions about generated reviews; a pair prefers the right answer (star count, or whether the
+reviewer returns) over a wrong one. The SFT model: `single-gpu.py --demo`'s (from scratch, on the demo's chats).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from finetune import demo  # noqa: E402
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "HF_HUB_OFFLINE": "1"}
+
+
+def launch(cmd, out):
+    """Seconds of the whole command; its output kept in out/log.txt."""
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    run = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    (out / "log.txt").write_text(run.stdout + run.stderr)
+    if run.returncode:
+        raise SystemExit(f"failed ({run.returncode}): {' '.join(map(str, cmd))}\n{run.stderr[-3000:]}")
+    return seconds, run.stdout
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def logps(model, tokenizer, prompt, answer):
+    """log p(answer | prompt), summed over the answer's tokens: the chat template's rendering of the prompt with the
+    assistant's header, and of the whole conversation, whose tail is the answer."""
+    head = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    whole = tokenizer.apply_chat_template(prompt + answer, tokenize=True, return_dict=True)
+    head, whole = list(head["input_ids"]), list(whole["input_ids"])
+    assert whole[:len(head)] == head
+    ids = torch.tensor([whole])
+    logits = model(ids).logits[0, len(head) - 1:-1].double()
+    return -F.cross_entropy(logits, ids[0, len(head):], reduction="sum").item()
+
+
+@torch.no_grad()
+def score(models, reference, pairs, beta):
+    """{name: (mean DPO loss, reward accuracy)} over the held-out pairs, each model against the reference."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    ref = load(reference)
+    base = [(logps(ref, tokenizer, p["prompt"], p["chosen"]), logps(ref, tokenizer, p["prompt"], p["rejected"]))
+            for p in pairs]
+    out = {}
+    for name, path in models.items():
+        model = load(path)
+        margins = torch.tensor([beta * ((logps(model, tokenizer, p["prompt"], p["chosen"]) - rc)
+                                        - (logps(model, tokenizer, p["prompt"], p["rejected"]) - rr))
+                                for p, (rc, rr) in zip(pairs, base)])
+        out[name] = (F.softplus(-margins).mean().item(), (margins > 0).double().mean().item())
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "out" / "bench" / "dpo"))
+    p.add_argument("--pairs", type=int, default=3000)
+    p.add_argument("--held-out", type=int, default=300)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--epochs", type=float, default=1)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sft = out / "sft"
+    if not (sft / "final" / "config.json").exists():  # the starting point: the demo's supervised fine-tuning
+        launch([sys.executable, "single-gpu.py", "--demo", "--batch-size", "16", "--output-dir", str(sft),
+                "--overwrite", "--prompt", ""], sft)
+    demo.make_demo_pairs(out / "pairs.jsonl", n=args.pairs, seed=7, style="messages")
+    demo.make_demo_pairs(out / "held-out.jsonl", n=args.held_out, seed=8, style="messages")
+    chosen = [json.loads(line) for line in open(out / "pairs.jsonl")]
+    (out / "chosen.jsonl").write_text("".join(json.dumps({"messages": r["prompt"] + r["chosen"]}) + "\n"
+                                              for r in chosen))
+    common = ["--lr", str(args.lr), "--beta", str(args.beta), "--epochs", str(args.epochs), "--warmup-ratio", "0.05"]
+    # the same pairs a step: ours, isolated packing, about 3.1 pairs of 60-90 tokens a 256-token block, 2 blocks a
+    # rank (12.3 pairs a step, measured); TRL and ours unpacked, 6 pairs a rank (12 a step)
+    ours = ["--model", str(sft / "final"), "--block-size", "256", "--batch-size", "2", "--zero-stage", "2",
+            "--eval-every", "0", "--save-every", "0", "--prompt", "", "--overwrite", "--log-every", "20", "--deepspeed"]
+    held_out = ["--eval-dataset", str(out / "held-out.jsonl")]
+    deepspeed = lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    times, rows = {}, {}
+    for name, cmd in [
+        ("ours (isolated packing)", [*deepspeed(), "zero-optimization.py", "--dataset", str(out / "pairs.jsonl"),
+                                     "--output-dir", str(out / "ours"), *ours, *held_out, *common]),
+        ("ours (--packing none)", [*deepspeed(), "zero-optimization.py", "--dataset", str(out / "pairs.jsonl"),
+                                   "--output-dir", str(out / "ours-none"), *ours, *held_out, *common, "--packing", "none",
+                                   "--batch-size", "6"]),
+        ("TRL DPOTrainer", [*deepspeed(), "bench/trl_dpo.py", "--model", str(sft / "final"), "--dataset",
+                            str(out / "pairs.jsonl"), "--output-dir", str(out / "trl"), "--batch-size", "6",
+                            "--max-length", "256", *common[:6]]),
+    ]:
+        folder = out / ("trl" if "TRL" in name else "ours-none" if "none" in name else "ours")
+        times[name], stdout = launch(cmd, folder)
+        found = re.search(r"computed once in ([\d.]+) s", stdout)
+        rows[name] = {"folder": folder, "reference_s": float(found.group(1)) if found else None}
+    # SFT on the same data (prompt + chosen answer), for tokens/s
+    sft_cmd = [*deepspeed(), "zero-optimization.py", "--dataset", str(out / "chosen.jsonl"), "--output-dir",
+               str(out / "sft-same"), *ours, "--lr", str(args.lr), "--epochs", str(args.epochs)]
+    times["SFT, same data"], _ = launch(sft_cmd, out / "sft-same")
+    pairs = [json.loads(line) for line in open(out / "held-out.jsonl")]
+    scores = score({name: r["folder"] / "final" for name, r in rows.items()} | {"SFT model (the reference)": sft /
+                                                                               "final"}, sft / "final", pairs,
+                   args.beta)
+    lines = ["| run | held-out DPO loss | reward accuracy | wall clock (s) | x TRL | reference pass (s) | train tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, (dpo_loss, accuracy) in scores.items():
+        r = rows.get(name, {})
+        res = json.loads((r["folder"] / "results.json").read_text()) if r and "TRL" not in name else {}
+        wall = times.get(name)
+        lines.append(f"| {name} | {dpo_loss:.4f} | {accuracy:.3f} | {wall:.0f} | {wall / times['TRL DPOTrainer']:.2f}x | "
+                     f"{r.get('reference_s') or '-'} | {res.get('tokens_per_sec') or 0:,.0f} |" if wall else
+                     f"| {name} | {dpo_loss:.4f} | {accuracy:.3f} | - | - | - | - |")
+    sft_same = json.loads((out / "sft-same" / "results.json").read_text())
+    lines.append(f"\nSFT on the same data (prompt + chosen answer, same flags): {sft_same['tokens_per_sec']:,.0f} tok/s,"
+                 f" {times['SFT, same data']:.0f} s wall clock.")
+    (out / "DPO.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
