@@ -1,7 +1,8 @@
 """Preference tuning (DPO) against TRL's DPOTrainer, on 2 ranks, from the same SFT model, pairs, lr, beta, schedule and
 epochs; and DPO's tokens/s against SFT's on the same data. Wall-clock time is the whole launch, as a user waits for it
-(start-up, tokenization, the reference pass). The two tuned models are scored by score() alone: the DPO loss and the
-reward accuracy of held-out pairs against the same reference (the SFT model), pair by pair with stock transformers.
+(start-up, tokenization, the reference pass). The tuned models are scored by score() alone: the DPO loss and the
+reward accuracy of held-out pairs against the same reference (the SFT model), pair by pair with stock transformers,
+over the tokens the chat template marks as the assistant's.
 
     pip install --no-deps trl==1.16.0 && python3 bench/dpo.py     # about 15 minutes on 2 cores: out/bench/DPO.md
 
@@ -48,20 +49,22 @@ def free_port():
 
 
 def logps(model, tokenizer, prompt, answer):
-    """log p(answer | prompt), summed over the answer's tokens: the chat template's rendering of the prompt with the
-    assistant's header, and of the whole conversation, whose tail is the answer."""
-    head = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
-    whole = tokenizer.apply_chat_template(prompt + answer, tokenize=True, return_dict=True)
-    head, whole = list(head["input_ids"]), list(whole["input_ids"])
-    assert whole[:len(head)] == head
-    ids = torch.tensor([whole])
-    logits = model(ids).logits[0, len(head) - 1:-1].double()
-    return -F.cross_entropy(logits, ids[0, len(head):], reduction="sum").item()
+    """log p(answer | prompt), summed over (the tokens of the answer the chat template marks as generated: its text
+    and EOS, what the model says; every token after the prompt and the assistant's header: TRL's completion, which
+    also holds what the template adds after the EOS)."""
+    head = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"])
+    whole = tokenizer.apply_chat_template(prompt + answer, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+    ids, mask = torch.tensor([list(whole["input_ids"])]), torch.tensor(list(whole["assistant_masks"]))
+    token = -F.cross_entropy(model(ids).logits[0, :-1].double(), ids[0, 1:], reduction="none")
+    return torch.stack([(token * mask[1:]).sum(), token[head - 1:].sum()])
 
 
 @torch.no_grad()
 def score(models, reference, pairs, beta):
-    """{name: (mean DPO loss, reward accuracy)} over the held-out pairs, each model against the reference."""
+    """{name: (mean DPO loss, reward accuracy) over the generated tokens, then over TRL's completions} on the held-out
+    pairs, each model against the reference."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(reference)
@@ -72,10 +75,10 @@ def score(models, reference, pairs, beta):
     out = {}
     for name, path in models.items():
         model = load(path)
-        margins = torch.tensor([beta * ((logps(model, tokenizer, p["prompt"], p["chosen"]) - rc)
-                                        - (logps(model, tokenizer, p["prompt"], p["rejected"]) - rr))
-                                for p, (rc, rr) in zip(pairs, base)])
-        out[name] = (F.softplus(-margins).mean().item(), (margins > 0).double().mean().item())
+        margins = torch.stack([beta * ((logps(model, tokenizer, p["prompt"], p["chosen"]) - rc)
+                                       - (logps(model, tokenizer, p["prompt"], p["rejected"]) - rr))
+                               for p, (rc, rr) in zip(pairs, base)])
+        out[name] = [x for m in margins.T for x in (F.softplus(-m).mean().item(), (m > 0).double().mean().item())]
     return out
 
 
@@ -129,15 +132,15 @@ def main():
     scores = score({name: r["folder"] / "final" for name, r in rows.items()} | {"SFT model (the reference)": sft /
                                                                                "final"}, sft / "final", pairs,
                    args.beta)
-    lines = ["| run | held-out DPO loss | reward accuracy | wall clock (s) | x TRL | reference pass (s) | train tok/s |",
-             "|---|---|---|---|---|---|---|"]
-    for name, (dpo_loss, accuracy) in scores.items():
+    lines = ["| run | held-out DPO loss | reward accuracy | DPO loss, TRL's completions | accuracy, TRL's completions |"
+             " wall clock (s) | x TRL | reference pass (s) | train tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, (dpo_loss, accuracy, tail_loss, tail_accuracy) in scores.items():
         r = rows.get(name, {})
         res = json.loads((r["folder"] / "results.json").read_text()) if r and "TRL" not in name else {}
         wall = times.get(name)
-        lines.append(f"| {name} | {dpo_loss:.4f} | {accuracy:.3f} | {wall:.0f} | {wall / times['TRL DPOTrainer']:.2f}x | "
+        lines.append(f"| {name} | {dpo_loss:.4f} | {accuracy:.3f} | {tail_loss:.4f} | {tail_accuracy:.3f} | {wall:.0f} | {wall / times['TRL DPOTrainer']:.2f}x | "
                      f"{r.get('reference_s') or '-'} | {res.get('tokens_per_sec') or 0:,.0f} |" if wall else
-                     f"| {name} | {dpo_loss:.4f} | {accuracy:.3f} | - | - | - | - |")
+                     f"| {name} | {dpo_loss:.4f} | {accuracy:.3f} | {tail_loss:.4f} | {tail_accuracy:.3f} | - | - | - | - |")
     sft_same = json.loads((out / "sft-same" / "results.json").read_text())
     lines.append(f"\nSFT on the same data (prompt + chosen answer, same flags): {sft_same['tokens_per_sec']:,.0f} tok/s,"
                  f" {times['SFT, same data']:.0f} s wall clock.")

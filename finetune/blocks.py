@@ -148,7 +148,8 @@ class Blocks:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         first, lengths = self.starts[indices], self.lengths[indices]
         if self.split_rows:  # --packing none with pairs: the chosen sequence a row, the rejected the next
-            chosen = np.array([1 + np.flatnonzero(self.flags[a + 1:a + n] & DOC_START)[0] for a, n in zip(first, lengths)])
+            chosen = np.array([1 + np.flatnonzero(self.flags[a + 1:a + n] & DOC_START)[0]
+                               for a, n in zip(first, lengths)])
             first = np.stack([first, first + chosen], 1).ravel()
             lengths = np.stack([chosen, lengths - chosen], 1).ravel()
         width = int(lengths.max())

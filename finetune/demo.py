@@ -108,7 +108,8 @@ def make_demo_pairs(path, n=400, seed=0, style="strings"):
         for _ in range(n):
             label, kind = rng.randrange(5), rng.randrange(2)
             wrong = rng.choice([other for other in range(5) if answer(other, kind) != answer(label, kind)])
-            review = f"The {rng.choice(_DISHES)} was {rng.choice(_WORDS[label])}. {_ENDINGS[label]}"  # short: fast tests
+            # a short review: the tests' pairs fit small blocks
+            review = f"The {rng.choice(_DISHES)} was {rng.choice(_WORDS[label])}. {_ENDINGS[label]}"
             prompt = question(review, kind)
             good, bad = answer(label, kind), answer(wrong, kind)
             if style == "strings":

@@ -53,15 +53,16 @@ def attach(model, chunk_tokens):
     def forward(self, *args, loss_targets=None, **kwargs):
         if loss_targets is None:  # generate(), or any other caller: the model as it was
             return original(*args, **kwargs)
-        labels, index, *pairs = loss_targets  # pairs: (sequence of each predicted token, pairs, reference, beta)
+        # preference pairs bring (the answer each predicted token is of, their count, the reference, beta)
+        labels, index, *pair_targets = loss_targets
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
         if not chunk_tokens:
             logits = original(*args, **kwargs).logits
             logits = logits if logits.dtype == torch.float32 else logits.float()
-            if pairs:
+            if pair_targets:
                 logits, targets = logits.flatten(0, 1).index_select(0, index), labels.flatten().index_select(0, index)
                 token = -F.cross_entropy(logits, targets, reduction="none")
-                return preference_loss(token, *pairs)
+                return preference_loss(token, *pair_targets)
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         hidden = self.base_model(*args, **kwargs)[0]
         hidden = hidden.flatten(0, 1).index_select(0, index)  # only the positions that carry loss
@@ -69,10 +70,11 @@ def attach(model, chunk_tokens):
         device = hidden.device.type  # the matmuls in the dtype autocast would give them, as the head's own would
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
         targets = labels.flatten().index_select(0, index)
-        if pairs and pairs[2] is None:  # the reference pass: the answers' log-probabilities, no gradient
-            return preference_loss(token_logps(hidden, head.weight, head.bias, targets, chunk_tokens, dtype), *pairs)
-        if pairs:
-            return LinearPreference.apply(hidden, head.weight, head.bias, targets, *pairs, chunk_tokens, dtype,
+        if pair_targets and pair_targets[2] is None:  # the reference pass: the answers' log-probabilities only
+            token = token_logps(hidden, head.weight, head.bias, targets, chunk_tokens, dtype)
+            return preference_loss(token, *pair_targets)
+        if pair_targets:
+            return LinearPreference.apply(hidden, head.weight, head.bias, targets, *pair_targets, chunk_tokens, dtype,
                                           torch.is_grad_enabled())
         return LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_tokens, dtype,
                                         torch.is_grad_enabled())
@@ -166,7 +168,8 @@ def dpo(logps, reference, beta):
     chosen, rejected = (beta * (logps[:, i] - reference[:, i]) for i in (0, 1))
     margin = chosen - rejected
     d_margin = -torch.sigmoid(-margin)
-    metrics = torch.stack([chosen.sum(), rejected.sum(), (margin > 0).float().sum(), logps[:, 0].sum(), logps[:, 1].sum()])
+    metrics = torch.stack([chosen.sum(), rejected.sum(), (margin > 0).float().sum(), logps[:, 0].sum(),
+                           logps[:, 1].sum()])
     return F.softplus(-margin).sum(), beta * torch.stack([d_margin, -d_margin], 1), metrics.detach().float()
 
 

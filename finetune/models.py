@@ -212,10 +212,11 @@ def save_final(model, tokenizer, folder, state_dict=None):
 
 def sample(model, tokenizer, prompt, split, device, say, rank, autocast):
     """The trained model's answer to --prompt: a chat message for chat data, the text as it is otherwise, with the
-    tokenizer's own special tokens; for preference pairs, the prompt of the first held-out pair of `split`. With the model in memory, under the run's precision (`autocast`: FlashAttention
-    refuses the fp32 activations of fp32 weights): under ZeRO-3 every rank takes part (its layers are gathered one at a
-    time, as in training), so no rank ever holds a whole copy: it runs before rank 0 writes the outputs, so no rank
-    waits on a collective while rank 0 saves. A failure here is a line, never a failed run."""
+    tokenizer's own special tokens; for preference pairs, the prompt of the first held-out pair of `split`. With the
+    model in memory, under the run's precision (`autocast`: FlashAttention refuses the fp32 activations of fp32
+    weights): under ZeRO-3 every rank takes part (its layers are gathered one at a time, as in training), so no rank
+    ever holds a whole copy: it runs before rank 0 writes the outputs, so no rank waits on a collective while rank 0
+    saves. A failure here is a line, never a failed run."""
     if not prompt or not _generates(model, rank):
         return None
     try:

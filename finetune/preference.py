@@ -154,7 +154,7 @@ def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0
         tensors = [saved[name] for name in ("train", "eval")]
         if any(len(t) != n for t, n in zip(tensors, (train.pairs_total, splits[1].pairs_total))):
             fail(f"{path} holds the reference of other data; start the run again with --overwrite")
-    has = torch.tensor([tensors is not None], device=device)
+    has = torch.tensor([int(tensors is not None)], device=device)
     if world_size > 1:
         torch.distributed.broadcast(has, 0)
     if has.item():

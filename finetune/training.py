@@ -232,8 +232,8 @@ class RunStats:
         if accuracy is not None:  # preference pairs: the DPO loss, and how often the chosen answer gains more
             self.trackers.log({"eval/loss": value, "eval/rewards/accuracies": accuracy, "eval/runtime": seconds},
                               step + 1)
-            return (f"step {step + 1} | eval DPO loss {value:.4f} | reward accuracy {accuracy:.3f} | {tokens:,} pairs | "
-                    f"{seconds:.1f} s{mark}{failed}")
+            return (f"step {step + 1} | eval DPO loss {value:.4f} | reward accuracy {accuracy:.3f} | {tokens:,} pairs "
+                    f"| {seconds:.1f} s{mark}{failed}")
         self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},
                           step + 1)
         return (f"step {step + 1} | eval loss {value:.4f} | perplexity {perplexity(value):.2f} | {tokens:,} tokens | "

@@ -318,3 +318,15 @@ def test_a_gpu_runs_profile_records_its_kernels():
     cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
     assert training.profiled(True) == ([cpu, cuda], "self_device_time_total")
     assert training.profiled(False) == ([cpu], "self_cpu_time_total")
+
+
+@pytest.mark.parametrize("environ, usable, node, threads", [
+    ({"LOCAL_SIZE": "2"}, 2, 2, 1),  # deepspeed, 2 ranks on 2 cores: one thread each, not two
+    ({"LOCAL_WORLD_SIZE": "4"}, 64, 64, 16),  # torchrun's variable (with OMP_NUM_THREADS unset by the user)
+    ({"LOCAL_SIZE": "8"}, 4, 4, 1),  # more ranks than cores: still one
+    ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, 2, 2, None),  # the user's choice stands
+    ({"LOCAL_SIZE": "2"}, 8, 64, None),  # pinned by the launcher (srun, numactl) to its share already
+    ({}, 2, 2, None),  # one process: every core
+])
+def test_ranks_on_a_node_share_its_cores(environ, usable, node, threads):
+    assert distributed.cpu_threads(environ, usable, node) == threads

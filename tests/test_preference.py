@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
 from finetune import blocks, data, demo, loss, preference, training
@@ -81,6 +81,17 @@ def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs)
         p = cm.index(1)  # the prompt, the same in both; the loss on each answer and its EOS, nowhere else
         assert tuple(c[:p]) in prompts and c[:p] == r[:p] and c[-1] == r[-1] == tok.eos_token_id
         assert cm == [0] * p + [1] * (len(c) - p) and rm == [0] * p + [1] * (len(r) - p)
+    # FlashAttention's layout (one padding-free row, GPU only) puts the same targets in the same answers
+    train = prepared["strings"][0]
+    config = AutoConfig.from_pretrained(pairs["model"])
+    layouts = {}
+    for implementation in ("flash_attention_2", "sdpa"):
+        config._attn_implementation = implementation
+        _, (labels, index, sequence, count, _, _) = train.batch([0, 1, 2], tok.pad_token_id, torch.device("cpu"),
+                                                                config)
+        layouts[implementation] = labels.flatten()[index].tolist(), sequence.tolist(), count
+    assert layouts["flash_attention_2"] == layouts["sdpa"] and layouts["sdpa"][2] == train.predicted[:3].sum()
+    assert sorted(set(layouts["sdpa"][1])) == list(range(2 * layouts["sdpa"][2]))  # every answer of every pair
     # the conversations with their prompt implicit are the same pairs as with it given
     assert sequences(prepared["implicit"][0]) == sequences(prepared["messages"][0])
     assert sequences(prepared["implicit"][1]) == sequences(prepared["messages"][1])
@@ -217,7 +228,8 @@ def test_the_first_step_is_ln2_with_the_formulas_gradient_and_the_reference_is_k
     out = one_process()
     r = results(out)
     assert r["losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # the model is its own reference at step 1
-    assert r["rewards/chosen"][0] == pytest.approx(0, abs=1e-6) and r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)
+    assert r["rewards/chosen"][0] == pytest.approx(0, abs=1e-6)
+    assert r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)
     assert r["losses"][-1] < r["losses"][1] and r["rewards/margins"][-1] > 0  # it learns to prefer the chosen
     # the gradient of step 1 against the formula's, with stock transformers in float64 on the loaded model
     args = single.parse_args(dpo_args(pairs, out))
@@ -269,6 +281,20 @@ def test_resume_reads_the_kept_reference_and_continues_exactly(pairs, one_proces
                out / "reference.pt")
     single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--max-steps": 1, "--overwrite": None}) + ["--overwrite"])
     assert results(out)["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_bf16_lora_and_the_best_checkpoint_with_pairs(pairs, tmp_path, capsys):
+    """bf16 autocast, LoRA and --final best: the first step is ln 2 to bf16's rounding, final/ is the best step's
+    merged model (stock transformers loads it) beside its adapter, and the sample answers a held-out pair's prompt."""
+    out = tmp_path / "run"
+    single.main(dpo_args(pairs, out, **{"--precision": "bf16", "--lora-rank": 4, "--lora-alpha": 8, "--lr": 1e-2,
+                                        "--max-steps": 4, "--eval-every": 2, "--final": "best", "--prompt": "x"}))
+    r = results(out)
+    assert r["losses"][0] == pytest.approx(math.log(2), abs=2e-3) and r["precision"] == "bf16"
+    assert r["final_step"] == r["best_step"] == min(r["evals"], key=lambda e: e[1])[0]
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
+    AutoModelForCausalLM.from_pretrained(out / "final")
+    assert "sample: 'Review:" in capsys.readouterr().out and r["sample"] is not None  # a held-out pair's prompt
 
 
 def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process, tmp_path):

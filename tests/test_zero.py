@@ -264,7 +264,7 @@ def test_config_that_contradicts_the_flags_is_one_line(tiny, tmp_path):
 
 # what every rank must call together (a gather, an evaluation, a generation under ZeRO-3, a barrier)
 COLLECTIVES = {"held_bytes", "eval_loss_sums", "evaluate", "sample", "gathered_state_dict", "all_reduce", "barrier",
-               "save_checkpoint", "load_checkpoint"}
+               "save_checkpoint", "load_checkpoint", "reference"}
 
 
 @pytest.mark.quick
