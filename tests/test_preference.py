@@ -141,6 +141,15 @@ def test_a_missing_column_is_one_line(pairs, tmp_path):
         data.prepare(data_args(path), pairs["tokenizer"])
 
 
+@pytest.mark.quick
+def test_sequence_parallelism_is_refused_with_pairs(pairs, tmp_path):
+    splits = data.prepare(data_args(pairs["strings"]), pairs["tokenizer"])
+    args = argparse.Namespace(sequence_parallel=2, resume=None, beta=0.1, batch_size=2)
+    with pytest.raises(SystemExit, match="drop --sequence-parallel"):
+        preference.reference(None, splits, args, tmp_path, 1, torch.device("cpu"), None, None)
+    assert not (tmp_path / "reference.pt").exists()
+
+
 # ----------------------------------------------------------------------------------------------------
 # The loss: against the formula, packed = unpacked, chunked = plain
 
