@@ -330,3 +330,13 @@ def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process
         assert_close_losses(a["rewards/margins"][1:], b["rewards/margins"][1:], rtol=1e-4)
         assert b["evals"][-1][1] == pytest.approx(a["evals"][-1][1], rel=1e-5)
         assert_same_weights(weights(one / "final"), weights(tmp_path / f"zero-{stage}" / "final"), atol=1e-4)
+    # resumed on 2 ranks from the ZeRO-2 run's step 2: rank 0 reads the kept reference and sends it to the other
+    whole, out = tmp_path / "zero-2", tmp_path / "resumed"
+    shutil.copytree(whole, out)
+    crash_after_first_checkpoint(out)
+    argv = [a.replace(str(whole), str(out)) for a in argvs[2]] + ["--resume"]
+    run = check(launch("forked", "zero-optimization.py", argv))
+    assert "reference log-probabilities" not in run.stdout
+    assert_resumed(out)
+    assert results(out)["losses"] == results(whole)["losses"]
+    assert results(out)["rewards/margins"] == results(whole)["rewards/margins"]
