@@ -12,7 +12,7 @@ import math
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, get_cosine_schedule_with_warmup
+from transformers import AutoConfig
 
 from finetune import checkpoints, data, demo, hardware, loss, models, preference, tracking, training
 
@@ -122,7 +122,7 @@ def main(argv=None):
     model.to(device)
     optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=training.ADAM_BETAS, eps=training.ADAM_EPS, fused=True)  # one kernel
-    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    scheduler = training.cosine_schedule(optimizer, warmup_steps, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16", **training.FP16_SCALER)
     autocast = hardware.autocast(device, args.precision)  # bf16, fp16: mixed precision over the fp32 weights
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged

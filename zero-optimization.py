@@ -13,7 +13,7 @@ import math
 import deepspeed  # ZeRO
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, get_cosine_schedule_with_warmup
+from transformers import AutoConfig
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
 from finetune import checkpoints, data, demo, hardware, loss, models, preference, tracking, training
@@ -137,7 +137,7 @@ def main(argv=None):
     model = models.load_causal_lm(args, config, device, **remote)  # fp32 master weights, the fastest attention
     config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
     model = models.prepare_model(model, args)  # LoRA adapters (--lora-rank), gradient checkpointing, chunked loss
-    schedule = lambda opt: get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)
+    schedule = lambda opt: training.cosine_schedule(opt, warmup_steps, total_steps)
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
         model=model, model_parameters=training.param_groups(model, args.weight_decay), config=ds_config,
         lr_scheduler=None if "scheduler" in ds_config else schedule, mpu=zero.sequence_parallel(args, model))

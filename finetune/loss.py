@@ -43,8 +43,8 @@ def attach(model, chunk_tokens):
     head = inner.get_output_embeddings()
     if chunk_tokens and hasattr(head.weight, "ds_id"):
         # ZeRO-3 gathers a module's weights around its own forward; the loss below reads the head's weight outside
-        # it, and under --compile DeepSpeed's gather-on-access does not run while dynamo traces: name the head's
-        # parameters as the model's own, so they are gathered around the model's forward (parameter_offload.py)
+        # it: name the head's parameters as the model's own, so they are gathered around the model's forward
+        # (parameter_offload.py)
         import deepspeed
         for p in (head.weight, head.bias):
             if p is not None:
@@ -53,34 +53,49 @@ def attach(model, chunk_tokens):
     def forward(self, *args, loss_targets=None, **kwargs):
         if loss_targets is None:  # generate(), or any other caller: the model as it was
             return original(*args, **kwargs)
-        # preference pairs bring (the answer each predicted token is of, their count, the reference, beta)
-        labels, index, *pair_targets = loss_targets
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
         if not chunk_tokens:
-            logits = original(*args, **kwargs).logits
-            logits = logits if logits.dtype == torch.float32 else logits.float()
-            if pair_targets:
-                logits, targets = logits.flatten(0, 1).index_select(0, index), labels.flatten().index_select(0, index)
-                token = -F.cross_entropy(logits, targets, reduction="none")
-                return preference_loss(token, *pair_targets)
-            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            return plain_loss(original(*args, **kwargs).logits, *loss_targets)
         hidden = self.base_model(*args, **kwargs)[0]
-        hidden = hidden.flatten(0, 1).index_select(0, index)  # only the positions that carry loss
-        head = self.get_output_embeddings()
-        device = hidden.device.type  # the matmuls in the dtype autocast would give them, as the head's own would
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-        targets = labels.flatten().index_select(0, index)
-        if pair_targets and pair_targets[2] is None:  # the reference pass: the answers' log-probabilities only
-            token = token_logps(hidden, head.weight, head.bias, targets, chunk_tokens, dtype)
-            return preference_loss(token, *pair_targets)
-        if pair_targets:
-            return LinearPreference.apply(hidden, head.weight, head.bias, targets, *pair_targets, chunk_tokens, dtype,
-                                          torch.is_grad_enabled())
-        return LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_tokens, dtype,
-                                        torch.is_grad_enabled())
+        return chunked_loss(hidden, self.get_output_embeddings(), chunk_tokens, *loss_targets)
 
     inner.forward = types.MethodType(forward, inner)  # on the instance: the state dict keeps its names
     return model
+
+
+def plain_loss(logits, labels, index, *pair_targets):
+    """The loss from the whole batch's logits. Preference pairs bring (the answer each predicted token is of, their
+    count, the reference, beta)."""
+    logits = logits if logits.dtype == torch.float32 else logits.float()
+    if pair_targets:
+        return plain_preference_loss(logits, labels, index, *pair_targets)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+# Under --compile what follows the backbone runs eagerly where its size is the batch's count of predicted tokens:
+# that count changes from batch to batch and the chunks are a Python loop over it, so dynamo would compile the loss
+# anew for each count (until its recompile limit, after which the frame runs eagerly anyway). The backbone, shaped
+# by the block, compiles once.
+@torch.compiler.disable
+def plain_preference_loss(logits, labels, index, *pair_targets):
+    logits, targets = logits.flatten(0, 1).index_select(0, index), labels.flatten().index_select(0, index)
+    return preference_loss(-F.cross_entropy(logits, targets, reduction="none"), *pair_targets)
+
+
+@torch.compiler.disable
+def chunked_loss(hidden, head, chunk_tokens, labels, index, *pair_targets):
+    """The loss from the final hidden states and the output head, a chunk of tokens at a time."""
+    hidden = hidden.flatten(0, 1).index_select(0, index)  # only the positions that carry loss
+    device = hidden.device.type  # the matmuls in the dtype autocast would give them, as the head's own would
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    targets = labels.flatten().index_select(0, index)
+    if pair_targets and pair_targets[2] is None:  # the reference pass: the answers' log-probabilities only
+        return preference_loss(token_logps(hidden, head.weight, head.bias, targets, chunk_tokens, dtype), *pair_targets)
+    if pair_targets:
+        return LinearPreference.apply(hidden, head.weight, head.bias, targets, *pair_targets, chunk_tokens, dtype,
+                                      torch.is_grad_enabled())
+    return LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_tokens, dtype,
+                                    torch.is_grad_enabled())
 
 
 class LinearCrossEntropy(torch.autograd.Function):

@@ -97,6 +97,18 @@ def param_groups(model, weight_decay):
             {"params": [p for p in trainable if not matrix(p)], "weight_decay": 0.0}]
 
 
+def cosine_schedule(optimizer, warmup_steps, total_steps):
+    """The learning rate rises linearly from 0 over the warmup steps, then falls along half a cosine to 0 at the last
+    step: the schedule of transformers' get_cosine_schedule_with_warmup, whose import brings peft and bitsandbytes
+    (2 s of every process's start-up)."""
+    def factor(step):
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 class GlobalBatches:
     """The order of training: optimizer step s trains on the same global batch of blocks whatever the number of
     ranks, a new seeded shuffle each epoch. Ranks and micro-steps only split it (see the training loops)."""
