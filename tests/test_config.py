@@ -144,6 +144,24 @@ def test_a_scheduler_block_is_filled(tmp_path):
         "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
 
 
+@pytest.mark.parametrize("warmup, total", [(0, 1), (1, 4), (3, 40), (5, 7), (10, 10)])
+def test_the_schedule_is_transformers_cosine_with_warmup(warmup, total):
+    """training.cosine_schedule stands in for transformers' (whose import takes 2 s): the same learning rate at
+    every step, bit for bit, past the last step too."""
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+    lrs = []
+    for make in (training.cosine_schedule, get_cosine_schedule_with_warmup):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+        schedule, seen = make(optimizer, warmup, total), []
+        for _ in range(total + 2):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.step()
+        lrs.append(seen)
+    assert lrs[0] == lrs[1] and max(lrs[0]) == 3e-4 and lrs[0][total] == (0.0 if warmup < total else 3e-4)
+
+
 @pytest.mark.parametrize("content, message", [
     ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 vs --batch-size = 4"),
     ({"train_batch_size": 12}, "train_batch_size=12 vs --batch-size x --grad-accum x 2 ranks = 16"),
