@@ -29,8 +29,9 @@ demo: $(VENV)/installed
 $(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt
 	$(PY) -m pip install -q -r tests/requirements.txt
 	# the DeepSpeed ops the suite's CPU runs load (the all-reduce over shared memory, the offload's Adam), compiled
-	# here once (2 minutes on 2 cores) rather than inside the first test that needs each
-	@DS_ACCELERATOR=cpu $(PY) -c 'import importlib, deepspeed.accelerator as a; \
+	# here once (2 minutes on 2 cores) rather than inside the first test that needs each; with the venv's ninja, as the
+	# tests have it first on PATH (a build log of another ninja makes the next build compile the op anew)
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" DS_ACCELERATOR=cpu $(PY) -c 'import importlib, deepspeed.accelerator as a; \
 		importlib.import_module("deepspeed.comm.torch").build_shm_op(); \
 		a.get_accelerator().create_op_builder("CPUAdamBuilder").load()' >$(VENV)/ops-build.log 2>&1 \
 		|| echo "could not build DeepSpeed's CPU ops (see $(VENV)/ops-build.log): the tests will try again"

@@ -20,6 +20,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "Setting accelerator to CPU" in every process's output
+# the venv's tools first, as `make test` and an activated venv have them: a DeepSpeed op built by another ninja (the
+# system's) is compiled anew by the next process that loads it with the venv's (each switch a minute)
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 # the prepared (tokenized, packed) data of this session's runs, apart from the user's cache
 os.environ["DATA_CACHE"] = tempfile.mkdtemp(prefix="data-cache-")
 
