@@ -52,19 +52,34 @@ def load_config(name):
                  f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}")
 
 
+def meta_model(config, lora_rank=0, lora_targets="all-linear"):
+    """(the model built on the meta device, nothing allocated, with the adapters peft would add for LoRA; the weights
+    bitsandbytes would quantize), built once for each shape: plan() asks up to four times, and a 70B model takes
+    seconds to build."""
+    key = (config.to_json_string(), lora_rank, lora_targets)
+    if key not in _BUILT:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+            quantized = [m.weight for m in quantized_layers(model)]  # before the adapters wrap the layers
+            if lora_rank:  # the adapters the scripts add (finetune/models.py: the experts' too, in a mixture of experts)
+                from peft import LoraConfig, get_peft_model
+                targets, experts = models.lora_targets(model, lora_targets)
+                model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets,
+                                                         target_parameters=experts, task_type="CAUSAL_LM"))
+        _BUILT[key] = model, quantized
+    return _BUILT[key]
+
+
+_BUILT = {}
+
+
 def parameters(config, lora_rank=0, lora_targets="all-linear", bits=None, precision="bf16"):
-    """(numel, trainable) of every parameter tensor (tied ones once), built on the meta device (nothing allocated);
-    with LoRA, the adapters peft would add (trainable) and the base (frozen). With `bits` (--load-in-4bit/8bit) a
-    weight bitsandbytes holds counts as what is stored: its packed bytes in elements of the run's precision (4 bits:
-    the scripts store them in that dtype, bnb_4bit_quant_storage; 8 bits: int8 bytes in such units)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-        quantized = {id(m.weight) for m in quantized_layers(model)} if bits else set()
-        if lora_rank:  # the adapters the scripts add (finetune/models.py: the experts' too, in a mixture of experts)
-            from peft import LoraConfig, get_peft_model
-            targets, experts = models.lora_targets(model, lora_targets)
-            model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets, target_parameters=experts,
-                                                     task_type="CAUSAL_LM"))
+    """(numel, trainable) of every parameter tensor (tied ones once); with LoRA, the adapters (trainable) and the base
+    (frozen). With `bits` (--load-in-4bit/8bit) a weight bitsandbytes holds counts as what is stored: its packed
+    bytes in elements of the run's precision (4 bits: the scripts store them in that dtype, bnb_4bit_quant_storage;
+    8 bits: int8 bytes in such units)."""
+    model, quantized = meta_model(config, lora_rank, lora_targets)
+    quantized = {id(w) for w in quantized} if bits else set()
     b = 4 if precision in ("fp32", "tf32") else 2
     held = lambda p: p.numel() if id(p) not in quantized else math.ceil(p.numel() / (2 * b)) if bits == 4 \
         else p.numel() / b
@@ -83,12 +98,10 @@ def quantized_layers(model):
             if (type(m) is torch.nn.Linear or isinstance(m, Conv1D)) and should_convert_module(name, skip)]
 
 
-def quantization_constants(config, bits):
+def quantization_constants(config, bits, lora_rank=0, lora_targets="all-linear"):
     """(bytes every rank holds whole beside a quantized base: the scales; ZeRO-3 partitions the packed weights, not
     these, the largest quantized weight's values: the one dequantized copy a forward makes at a time)."""
-    with torch.device("meta"):
-        layers = quantized_layers(AutoModelForCausalLM.from_config(config))
-    sizes = [(m.weight.numel(), m.weight.shape[0]) for m in layers]
+    sizes = [(w.numel(), w.shape[0]) for w in meta_model(config, lora_rank, lora_targets)[1]]
     packed = lambda n: n if bits == 8 else math.ceil(n / 2)  # counted as parameters (parameters())
     return sum(quantization.stored_bytes(n, bits, out, storage=1) - packed(n) for n, out in sizes), \
         max((n for n, _ in sizes), default=0)
@@ -170,9 +183,7 @@ def active_parameters(config):
     experts, k = experts_per_token(config)
     if not experts:
         return None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    unique = {id(p): p for p in model.parameters()}.values()
+    unique = {id(p): p for p in meta_model(config)[0].parameters()}.values()
     return sum(p.numel() * k // experts if p.dim() == 3 and p.shape[0] == experts else p.numel() for p in unique)
 
 
@@ -212,7 +223,7 @@ def plan(args):
     params = parameters(config, args.lora_rank, args.lora_targets)
     bits = quantization.bits(args)  # QLoRA: the frozen base as bitsandbytes stores it, its scales beside it
     held = parameters(config, args.lora_rank, args.lora_targets, bits, args.precision) if bits else params
-    constants, dequantized = quantization_constants(config, bits) if bits else (0, 0)
+    constants, dequantized = quantization_constants(config, bits, args.lora_rank, args.lora_targets) if bits else (0, 0)
     ranks = args.gpus * args.nodes
     acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
                                         args.gradient_checkpointing, args.loss_chunk, args.sequence_parallel)

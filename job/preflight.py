@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ def limits_problem(host, slots, memlock, infiniband, gpus):
 
 
 def check_host(host, slots, master_addr, master_port, want_versions):
-    """The first problem found on this host, with its fix, or None."""
+    """The first problem found on this host, with its fix, or None. want_versions: a future of local_versions()."""
     status, out = ssh(host, "true")
     if status:
         return (f"passwordless ssh fails ({out.splitlines()[-1] if out else status}): "
@@ -106,9 +107,9 @@ def check_host(host, slots, master_addr, master_port, want_versions):
     status, out = ssh(host, f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSIONS)}", timeout=120)
     if status:
         return f"{sys.executable} cannot import {', '.join(PACKAGES)} there: install the same environment on every node"
-    if out.splitlines()[-1] != want_versions:
-        theirs = out.splitlines()[-1]
-        return f"other versions ({', '.join(PACKAGES)}): {theirs} there, {want_versions} here; install the same ones"
+    theirs, ours = out.splitlines()[-1], want_versions.result()
+    if theirs != ours:
+        return f"other versions ({', '.join(PACKAGES)}): {theirs} there, {ours} here; install the same ones"
     connect = f"import socket; socket.create_connection(({master_addr!r}, {master_port}), timeout=5)"
     if ssh(host, f"{shlex.quote(sys.executable)} -c {shlex.quote(connect)}")[0]:
         return (f"cannot reach {master_addr}:{master_port} (the master port): open it in the firewall, or pass "
@@ -121,7 +122,8 @@ def check_host(host, slots, master_addr, master_port, want_versions):
 MESH = ("import datetime, os, sys; sys.path.insert(0, {repo!r}); import torch, torch.distributed as dist; "
         "from finetune import distributed; distributed.gloo_interface(os.environ); "
         "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=30)); t = torch.ones(1); "
-        "dist.all_reduce(t); print(os.environ.get('GLOO_SOCKET_IFNAME', 'default'), int(t))")
+        "dist.all_reduce(t); print(os.environ.get('GLOO_SOCKET_IFNAME', 'default'), int(t), flush=True); "
+        "os._exit(0)")  # not gloo's teardown at exit: with a peer gone first it may abort ("terminate called ...")
 
 
 def accept_all(listener):
@@ -232,10 +234,13 @@ def main(argv=None):
         print(f"here: cannot listen on port {args.master_port} ({e.strerror}): pick a free one with --master-port")
         return 1
     threading.Thread(target=accept_all, args=(listener,), daemon=True).start()
-    want = local_versions()
+    # every host at once, and this one's versions beside them: each imports torch, deepspeed and transformers (seconds
+    # a host; one after the other, a minute for 16 nodes)
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts) + 1)) as pool:
+        want = pool.submit(local_versions)
+        problems = list(pool.map(lambda h: check_host(*h, master_addr, args.master_port, want), hosts))
     failed = 0
-    for host, slots in hosts:
-        problem = check_host(host, slots, master_addr, args.master_port, want)
+    for (host, slots), problem in zip(hosts, problems):
         failed += problem is not None
         print(f"{host} ({slots} slots): {problem or 'ok'}")
     listener.close()
