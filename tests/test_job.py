@@ -6,6 +6,7 @@ sshd (throwaway keys, its own AuthorizedKeysFile and known_hosts). An `ssh` wrap
 config>`: DeepSpeed's launcher and pdsh both call plain `ssh`. Nothing is written to ~/.ssh."""
 import contextlib
 import getpass
+import json
 import os
 import resource
 import shutil
@@ -18,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from finetune import distributed
-from conftest import ROOT, assert_close_losses, base_args, check, free_port, launch, load_script, long_run, results
+from conftest import ROOT, assert_close_losses, check, free_port, launch, long_run, results
 
-single = load_script("single-gpu.py")
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -107,35 +107,22 @@ def hosts(tmp_path_factory):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)  # its end of the veth pair with it
 
 
-def test_two_hosts_over_ssh_give_the_single_process_losses(hosts, tiny, tmp_path):
+def test_two_hosts_over_ssh_train_and_a_host_lost_mid_run_ends_the_job_and_the_first_resumes_alone(hosts, tiny,
+                                                                                                   uninterrupted,
+                                                                                                   tmp_path):
     """The deepspeed launcher on the first host reaches the second over pdsh with a hostfile of addresses; the ranks
-    meet at the first host's address, each through the interface that reaches it: without that, the second rank
-    offers gloo's peers 127.0.0.1 (what the hosts' name resolves to) and the first cannot connect."""
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts["addresses"]))
-    out = tmp_path / "multinode"
-    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 3}) + ["--deepspeed"]
-    cmd = [Path(sys.executable).parent / "deepspeed", f"--hostfile={hostfile}", f"--master_addr={hosts['addresses'][0]}",
-           f"--master_port={free_port()}", "zero-optimization.py", *argv]
-    run = check(subprocess.run(hosts["on"](1, cmd), cwd=ROOT, env=hosts["env"], capture_output=True, text=True,
-                               timeout=600))
-    assert all(f"{a}:" in run.stdout for a in hosts["addresses"])  # pdsh ran a launcher on each host
-    r = results(out)
-    assert r["world_size"] == 2 and r["global_batch_size"] == 8
-    single.main(base_args(tiny, tmp_path / "single", **{"--batch-size": 4, "--grad-accum": 2}))
-    assert_close_losses(results(tmp_path / "single")["losses"], r["losses"])
-
-
-def test_a_host_lost_mid_run_ends_the_job_with_a_line_and_the_first_host_resumes_alone(hosts, tiny, uninterrupted,
-                                                                                       tmp_path):
-    """The second host's link cut after a checkpoint (its rank neither answers nor closes a connection): within
-    --dist-timeout (20 s here) the first host's rank says which rank did not report and the job ends, nothing of it
-    left on the first host, the newest checkpoint whole; `--resume auto` on the first host alone (1 rank, the same
-    global batch) continues to the uninterrupted run's losses."""
+    meet at the first host's address, each through the interface that reaches it (without that, the second rank
+    offers gloo's peers 127.0.0.1, what the hosts' name resolves to, and the first cannot connect) and train under
+    ZeRO-3. Then the second host's link is cut after a checkpoint (its rank neither answers nor closes a connection):
+    within --dist-timeout (20 s here) the first host's rank says which rank did not report and the job ends, nothing
+    of it left on the first host, the newest checkpoint whole; `--resume auto` on the first host alone (1 rank, the
+    same global batch) continues to the uninterrupted run's losses (ZeRO-2 on 2 ranks of one host: the steps before
+    the cut are the two hosts')."""
     hostfile, out, log = tmp_path / "hostfile", tmp_path / "run", tmp_path / "log"
     hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts["addresses"]))
+    argv = long_run(tiny, out, "--dist-timeout", "20", "--zero-stage", "3")
     cmd = [Path(sys.executable).parent / "deepspeed", f"--hostfile={hostfile}", f"--master_addr={hosts['addresses'][0]}",
-           f"--master_port={free_port()}", "zero-optimization.py", *long_run(tiny, out, "--dist-timeout", "20")]
+           f"--master_port={free_port()}", "zero-optimization.py", *argv]
     launcher = subprocess.Popen(hosts["on"](1, cmd), cwd=ROOT, env=hosts["env"], stdout=open(log, "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -163,9 +150,11 @@ def test_a_host_lost_mid_run_ends_the_job_with_a_line_and_the_first_host_resumes
     for pid in subprocess.run(["ip", "netns", "pids", hosts["names"][1]], capture_output=True, text=True).stdout.split():
         if "zero-optimization" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
             os.kill(int(pid), signal.SIGKILL)  # the lost host's rank: its own timeout would end it later
+    assert all(f"{a}:" in text for a in hosts["addresses"])  # pdsh ran a launcher on each host
     latest = (out / "checkpoints" / "latest").read_text()
-    assert (out / "checkpoints" / latest / "run.json").exists()
-    resumed = long_run(tiny, out, "--resume", "auto", "--batch-size", "4")  # 1 rank: the same global batch
+    run = json.loads((out / "checkpoints" / latest / "run.json").read_text())
+    assert (run["world_size"], run["global_batch_size"], run["zero_stage"]) == (2, 8, 3), run
+    resumed = argv + ["--resume", "auto", "--batch-size", "4"]  # 1 rank: the same global batch
     check(launch("forked", "zero-optimization.py", resumed, nproc=1))
     assert_close_losses(results(uninterrupted)["losses"], results(out)["losses"])
 
