@@ -4,7 +4,7 @@
 #     tests/slurm_cluster.sh stop STATE_DIR     # its jobs, slurmd, slurmctld and munged, by their pid files
 # As root (slurmd runs the jobs). The node is this machine (`hostname -s`, `nproc` CPUs) with 2 fake GPUs: gres
 # `gpu` on character devices made with mknod (slurmd refuses plain files). No accounting, no cgroups
-# (proctrack/linuxproc, task/none). cred_expire=10: a requeued job may start again 10 s after it ended (SLURM's
+# (proctrack/linuxproc, task/none). cred_expire=5: a requeued job may start again 5 s after it ended (SLURM's
 # default, 120 s, is the delay a requeue has on a real cluster).
 set -euo pipefail
 action=${1:?usage: slurm_cluster.sh start|stop STATE_DIR}
@@ -54,7 +54,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$state/munge/munge.socket,cred_expire=10
+AuthInfo=socket=$state/munge/munge.socket,cred_expire=5
 StateSaveLocation=$state/ctld
 SlurmdSpoolDir=$state/spool
 SlurmctldPidFile=$state/run/slurmctld.pid

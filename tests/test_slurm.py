@@ -78,7 +78,7 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_r
              and job(slurm, job_id)["JobState"] != "PENDING", "first checkpoint")
     assert job(slurm, job_id)["JobState"] == "RUNNING", log.read_text()[-3000:]
     subprocess.run(["scancel", *signal_form, job_id], env=slurm, check=True)
-    # SLURM starts a requeued job again once the credential of its last run has expired: 120 s by default, 10 s on
+    # SLURM starts a requeued job again once the credential of its last run has expired: 120 s by default, 5 s on
     # the test cluster (its cred_expire); `scontrol update StartTime=now` cannot skip it (the job fails: "Job
     # credential revoked")
     wait_for(lambda: job(slurm, job_id)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "end of the job")
