@@ -52,6 +52,9 @@ def load_config(name):
                  f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}")
 
 
+_BUILT = {}  # meta_model's: (config, LoRA rank, targets) -> (model, quantized weights)
+
+
 def meta_model(config, lora_rank=0, lora_targets="all-linear"):
     """(the model built on the meta device, nothing allocated, with the adapters peft would add for LoRA; the weights
     bitsandbytes would quantize), built once for each shape: plan() asks up to four times, and a 70B model takes
@@ -68,9 +71,6 @@ def meta_model(config, lora_rank=0, lora_targets="all-linear"):
                                                          target_parameters=experts, task_type="CAUSAL_LM"))
         _BUILT[key] = model, quantized
     return _BUILT[key]
-
-
-_BUILT = {}
 
 
 def parameters(config, lora_rank=0, lora_targets="all-linear", bits=None, precision="bf16"):
@@ -223,7 +223,8 @@ def plan(args):
     params = parameters(config, args.lora_rank, args.lora_targets)
     bits = quantization.bits(args)  # QLoRA: the frozen base as bitsandbytes stores it, its scales beside it
     held = parameters(config, args.lora_rank, args.lora_targets, bits, args.precision) if bits else params
-    constants, dequantized = quantization_constants(config, bits, args.lora_rank, args.lora_targets) if bits else (0, 0)
+    constants, dequantized = (quantization_constants(config, bits, args.lora_rank, args.lora_targets) if bits
+                              else (0, 0))
     ranks = args.gpus * args.nodes
     acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
                                         args.gradient_checkpointing, args.loss_chunk, args.sequence_parallel)
