@@ -37,8 +37,10 @@ $(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt
 		|| echo "could not build DeepSpeed's CPU ops (see $(VENV)/ops-build.log): the tests will try again"
 	touch $@
 
+# two files at a time (tests/conftest.py orders them); TEST_WORKERS=0 runs one test after another
+TEST_WORKERS ?= 2
 test: $(VENV)/tests-installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-quick: $(VENV)/tests-installed
 	$(PY) -m pytest -q -m quick tests

@@ -1,8 +1,10 @@
 """Shared test fixtures: a tiny OPT model and a generated corpus, made once per session, and ways to run the
 scripts (in process through main(), or under the real launchers)."""
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,8 +27,24 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "Setting accelerator to CPU
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 # the prepared (tokenized, packed) data of this session's runs, apart from the user's cache
 os.environ["DATA_CACHE"] = tempfile.mkdtemp(prefix="data-cache-")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s workers: a core each, as the launched ranks have
+    torch.set_num_threads(1)  # (two threads each on two busy cores wait on each other at every op's end)
 
 from finetune import demo  # noqa: E402
+
+
+# `make test` runs two files at a time (pytest-xdist, --dist loadfile: a file's module fixtures are made once), each
+# worker taking the next file in this order when its own is done: the longest first, so that both end together.
+# Seconds alone on 2 cores, roughly: 170, 150, 150, 100, 70, 60, 55, 50, 45, 40, 35, 30, 25, 15, 15; the rest in
+# process, a few seconds each.
+LONGEST_FIRST = ["test_reliability.py", "test_slurm.py", "test_zero.py", "test_job.py", "test_classification.py",
+                 "test_plan.py", "test_bench.py", "test_lora.py", "test_qlora.py", "test_models.py", "test_basics.py",
+                 "test_sequence_parallel.py", "test_checkpoints.py", "test_preference.py", "test_single.py"]
+
+
+def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file keeps its own order
 
 
 def pytest_configure(config):
@@ -42,10 +60,32 @@ def load_script(name):
     return module
 
 
+def made_once(tmp_path_factory, name, make):
+    """The session's folder `name`, its contents made by make(folder) once for all of `make test`'s workers: the
+    first to ask makes them, the others wait for it and share them."""
+    from filelock import FileLock
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, which holds each worker's own
+    folder = base / name
+    with FileLock(str(base / f"{name}.lock")):
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed left
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """A 2-layer, 32-wide OPT (dropout 0), 240 generated reviews (text) and 240 chats about reviews (messages)."""
-    root = tmp_path_factory.mktemp("tiny")
+    root = made_once(tmp_path_factory, "tiny", make_tiny)
+    return {"data": str(root / "reviews.csv"), "chats": str(root / "chats.jsonl"), "model": str(root / "model"),
+            "root": root}
+
+
+def make_tiny(root):
     demo.make_demo_corpus(root / "reviews.csv", n=240, seed=1)
     demo.make_demo_chats(root / "chats.jsonl", n=240, seed=1)
     import csv
@@ -55,8 +95,6 @@ def tiny(tmp_path_factory):
         texts += [" ".join(m["content"] for m in json.loads(line)["messages"]) for line in f]
     tokenizer = demo.make_demo_tokenizer(texts + ["### User: ### Assistant:"], vocab_size=300)
     demo.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=64, seed=0)
-    return {"data": str(root / "reviews.csv"), "chats": str(root / "chats.jsonl"), "model": str(root / "model"),
-            "root": root}
 
 
 def base_args(tiny, out, **overrides):
@@ -75,10 +113,10 @@ def long_run(tiny, out, *extra):
 
 @pytest.fixture(scope="session")
 def uninterrupted(tiny, tmp_path_factory):
-    """The long run, whole: what a stopped and resumed run must end as, and checkpoints to resume from."""
-    whole = tmp_path_factory.mktemp("whole") / "run"
-    check(launch("forked", "zero-optimization.py", long_run(tiny, whole)))
-    return whole
+    """The long run, whole: what a stopped and resumed run must end as, and checkpoints to resume from (read only)."""
+    folder = made_once(tmp_path_factory, "whole", lambda f: check(launch("forked", "zero-optimization.py",
+                                                                         long_run(tiny, f / "run"))))
+    return folder / "run"
 
 
 def free_port():
@@ -160,9 +198,17 @@ def no_shm_buffers_left():
     removes its own, a killed one cannot): removed after each test, or a session would fill the machine's memory."""
     start = time.time()
     yield
-    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
-        if leftover.stat().st_mtime >= start - 1:
-            leftover.unlink(missing_ok=True)
+    mine = [p for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")
+            if p.stat().st_mtime >= start - 1]
+    if mine:  # a buffer some process still maps is a live run's: the suite's other worker runs tests beside this one
+        mapped = set()
+        for maps in Path("/proc").glob("[0-9]*/maps"):
+            with contextlib.suppress(OSError):
+                mapped.update(line.split(maxsplit=5)[-1].strip() for line in maps.read_text().splitlines()
+                              if "/dev/shm/deepspeed_allreduce_buffer" in line)
+        for leftover in mine:
+            if str(leftover) not in mapped:
+                leftover.unlink(missing_ok=True)
 
 
 def check(result):
