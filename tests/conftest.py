@@ -198,17 +198,20 @@ def no_shm_buffers_left():
     removes its own, a killed one cannot): removed after each test, or a session would fill the machine's memory."""
     start = time.time()
     yield
-    mine = [p for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")
-            if p.stat().st_mtime >= start - 1]
-    if mine:  # a buffer some process still maps is a live run's: the suite's other worker runs tests beside this one
-        mapped = set()
-        for maps in Path("/proc").glob("[0-9]*/maps"):
-            with contextlib.suppress(OSError):
-                mapped.update(line.split(maxsplit=5)[-1].strip() for line in maps.read_text().splitlines()
-                              if "/dev/shm/deepspeed_allreduce_buffer" in line)
-        for leftover in mine:
-            if str(leftover) not in mapped:
-                leftover.unlink(missing_ok=True)
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        with contextlib.suppress(FileNotFoundError):  # the other worker's test may remove it first
+            if leftover.stat().st_mtime >= start - 1 and str(leftover) not in held_open():
+                leftover.unlink()
+
+
+def held_open():
+    """The files some process has open: a rank keeps its DeepSpeed buffers open while it runs, and `make test`'s
+    other worker runs tests beside this one."""
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):
+            held.add(os.readlink(fd))
+    return held
 
 
 def check(result):
