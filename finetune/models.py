@@ -281,7 +281,7 @@ def _generate(model, tokenizer, ids, device, autocast, max_new_tokens=40):
     was_training = net.training
     net.eval()
     try:
-        with torch.no_grad(), autocast:
+        with torch.no_grad(), autocast, torch.compiler.set_stance("force_eager"):  # as the evals (training.py)
             out = net.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
                                do_sample=False, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced)
     except Exception as e:

@@ -396,7 +396,9 @@ def eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank=0
         mine = torch.arange(start, min(start + per_step, len(blocks)))[rank * args.batch_size:
                                                                        (rank + 1) * args.batch_size]
         inputs, labels = blocks.batch(mine if len(mine) else [0], pad_id, device, config, carry_loss=len(mine) > 0)
-        with autocast:
+        # eagerly under --compile: in eval mode without gradients dynamo compiles every graph anew, which takes
+        # longer than most evals run (docs/zero.md)
+        with autocast, torch.compiler.set_stance("force_eager"):
             total[0] += loss.token_loss_sum(model, inputs, labels).double()
         total[1] += labels[3] if len(labels) > 2 else len(labels[1])
     pairs = loss.take_pair_metrics()

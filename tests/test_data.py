@@ -10,7 +10,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
                           OPTConfig)
 
-from finetune import blocks, data, loss, training
+from finetune import blocks, data, loss, models, training
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
@@ -148,6 +148,17 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     assert sums["isolated"][1] == sums["none"][1] > 0  # the same tokens carry loss
     assert (sums["isolated"][0] / sums["isolated"][1]).item() == pytest.approx(
         (sums["none"][0] / sums["none"][1]).item(), rel=1e-5)
+    # --compile's in-place compile (dynamo alone here): the eval and the generated answers run eagerly, nothing is
+    # compiled for them (in eval mode without gradients every graph would be compiled again)
+    from torch._dynamo.utils import counters
+    model.compile(backend="eager")
+    frames = counters["frames"]["total"]
+    compiled = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, torch.device("cpu"), model.config,
+                                       torch.autocast("cpu", enabled=False))
+    answer = models._generate(model, tokenizer, tokenizer("Review:")["input_ids"], torch.device("cpu"),
+                              torch.autocast("cpu", enabled=False), max_new_tokens=3)
+    assert counters["frames"]["total"] == frames and isinstance(answer, str)
+    assert torch.equal(compiled, sums["none"])
 
 
 def write_jsonl(path, rows):
