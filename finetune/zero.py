@@ -197,6 +197,8 @@ def choose_optimizer(config, cuda):
     compiler on first use (job/preflight.py --offload checks for what it needs)."""
     params = config.get("optimizer", {}).get("params", {})
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    if offload:
+        cpu_info_once()
     if params.get("torch_adam") == "auto":
         params["torch_adam"] = not offload
     if params.get("fused") == "auto":  # one kernel over all parameters: no temporaries the size of the model
@@ -205,6 +207,17 @@ def choose_optimizer(config, cuda):
         else:
             params.pop("fused")  # DeepSpeedCPUAdam takes no such argument
     return config
+
+
+def cpu_info_once():
+    """DeepSpeed asks py-cpuinfo about the CPU three times as it builds the optimizer of an offloaded run (twice for
+    CPU Adam's compiler flags, once in the optimizer), on every rank, and py-cpuinfo starts a Python process each time
+    (1.2 s of CPU here). The answer does not change while a process runs: each asks once."""
+    import functools
+
+    import cpuinfo
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def check_offload(zero):

@@ -31,6 +31,9 @@ def serve():
 
     for name in PREIMPORTED:
         importlib.import_module(name)
+    # what py-cpuinfo says of the CPU, asked once here for every rank's offloaded optimizer (zero.cpu_info_once)
+    importlib.import_module("finetune.zero").cpu_info_once()
+    importlib.import_module("cpuinfo").get_cpu_info()
     # a fork copies one thread: a lock another thread held would stay held in the child. pyarrow's jemalloc runs a
     # background thread, and jemalloc takes its locks around a fork itself (pthread_atfork): any other is refused
     threads = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]

@@ -55,6 +55,32 @@ def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect)
     assert {k: params[k] for k in ("torch_adam", "fused") if k in params} == expect
 
 
+def test_an_offloaded_optimizer_asks_about_the_cpu_once(monkeypatch):
+    """DeepSpeed asks py-cpuinfo about the CPU as it builds CPU Adam (the op's flags, then each optimizer), and
+    py-cpuinfo starts a Python process each time (1.2 s of CPU): with offload, the first answer is kept."""
+    import subprocess
+
+    import cpuinfo
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # as it was, after the test
+    config = json.loads(open(ZERO2).read())
+    config["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
+    zero.choose_optimizer(config, False)
+    asked = []
+
+    class Counted(subprocess.Popen):
+        def __init__(self, command, *args, **kwargs):
+            asked.extend(["cpuinfo"] if "cpuinfo" in str(command) else [])
+            super().__init__(command, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Counted)
+    for _ in range(3):
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])
+    assert len(asked) <= 1 and cpuinfo.get_cpu_info()["arch"]  # once at most (none if an earlier test asked)
+
+
 @pytest.mark.parametrize("fp16, bf16, precision, message", [
     (False, True, "fp16", "--precision fp16: DeepSpeed does not train in fp16 on this cpu device; pass --precision "
                           "bf16"),
