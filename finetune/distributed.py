@@ -39,8 +39,9 @@ def launch_env(environ=None, world_of_one=True, visible=None):
         environ["LOCAL_RANK"] = str(hardware.device_index(local_rank, visible))
     gloo_interface(environ)
     threads = cpu_threads(environ, len(os.sched_getaffinity(0)), os.cpu_count())
-    if threads:
+    if threads:  # and said where the HF Trainer's accelerate reads it: unset, it picks its own (see cpu_threads)
         torch.set_num_threads(threads)
+        environ["OMP_NUM_THREADS"] = str(threads)
     return int(environ.get("RANK", 0)), local_rank, int(environ.get("WORLD_SIZE", 1))
 
 
@@ -49,7 +50,9 @@ def cpu_threads(environ, usable, node_cores):
     so N ranks on a node run N times as many threads as there are cores, and OpenMP's busy-waiting threads then slow
     small operations many times over (measured: the reference pass of bench/dpo.py, 2 ranks on 2 cores, 99.5 s
     against 3.8 s). deepspeed sets OMP_NUM_THREADS only with --bind_cores_to_rank, torchrun to 1; a process whose
-    launcher pinned it to fewer cores than the node has (srun, numactl) keeps what it was given."""
+    launcher pinned it to fewer cores than the node has (srun, numactl) keeps what it was given. accelerate (under the
+    HF Trainer) sets its own count where OMP_NUM_THREADS is unset: the node's cores over LOCAL_WORLD_SIZE, which the
+    deepspeed launcher does not set (2 threads a rank on 2 cores: sequence_classification.py's epochs 5x slower)."""
     ranks = int(environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE") or 1)
     if "OMP_NUM_THREADS" in environ or ranks <= 1 or usable < node_cores:
         return None

@@ -1,6 +1,7 @@
 """Every decision a GPU drives, fed the facts a GPU would give: compute capabilities, visible devices, device
 names, SLURM's variables. CPU-green is not GPU-right unless these hold."""
 import argparse
+import os
 
 import numpy as np
 import pytest
@@ -330,3 +331,24 @@ def test_a_gpu_runs_profile_records_its_kernels():
 ])
 def test_ranks_on_a_node_share_its_cores(environ, usable, node, threads):
     assert distributed.cpu_threads(environ, usable, node) == threads
+
+
+def test_the_share_reaches_the_trainers_accelerate(monkeypatch):
+    """Under the deepspeed launcher (LOCAL_SIZE, no LOCAL_WORLD_SIZE): accelerate keeps the share where it finds
+    OMP_NUM_THREADS, and otherwise sets the node's cores on each rank."""
+    from accelerate.utils.environment import get_int_from_env
+
+    cores = len(os.sched_getaffinity(0))
+    if cores != os.cpu_count():
+        pytest.skip("this process is pinned to some of the cores: nothing to share")
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    before = torch.get_num_threads()
+    try:
+        distributed.launch_env(visible=0)
+        assert torch.get_num_threads() == get_int_from_env(["OMP_NUM_THREADS"], 0) == max(1, cores // 2)
+    finally:
+        torch.set_num_threads(before)
