@@ -37,10 +37,11 @@ $(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt
 		|| echo "could not build DeepSpeed's CPU ops (see $(VENV)/ops-build.log): the tests will try again"
 	touch $@
 
-# two files at a time (tests/conftest.py orders them); TEST_WORKERS=0 runs one test after another
+# two files at a time (tests/conftest.py orders them); TEST_WORKERS=0 runs one test after another. The 15 slowest
+# steps are listed at the end: where a new test's time goes
 TEST_WORKERS ?= 2
 test: $(VENV)/tests-installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test-quick: $(VENV)/tests-installed
 	$(PY) -m pytest -q -m quick tests
