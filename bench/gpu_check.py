@@ -37,8 +37,13 @@ def main():
                  f"--output-dir={folder}", "--overwrite", *extra]
         launcher = [sys.executable] if script == "single-gpu.py" else [str(Path(sys.executable).parent / "deepspeed"),
                                                                          "--num_gpus", "1"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if "--compile" in extra:  # what dynamo recompiled or broke off, in the run's output.log
+            env["TORCH_LOGS"] = "recompiles,graph_breaks"
         done = subprocess.run([*launcher, script, *flags] + (["--deepspeed"] if script != "single-gpu.py" else []),
-                              cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                              cwd=ROOT, capture_output=True, text=True, env=env)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "output.log").write_text(done.stdout + done.stderr)  # what a failure said, whole
         if done.returncode:
             rows.append((name, f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:100]}", "", "", "", ""))
             continue

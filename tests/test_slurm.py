@@ -43,11 +43,11 @@ def slurm(tmp_path_factory):
         subprocess.run(["bash", script, "stop", state], capture_output=True, timeout=120)
 
 
-def submit(slurm, launcher, log, flags):
+def submit(slurm, launcher, log, flags, **env):
     """The job's id: job/slurm.sbatch submitted as its header says, on 1 node of 2 GPUs and 2 cores."""
     cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=2", "--cpus-per-task=2", "--partition=gpu",
            "--time=30", f"--output={log}", "job/slurm.sbatch", *flags]
-    done = subprocess.run(cmd, cwd=ROOT, env={**slurm, "LAUNCHER": launcher}, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, env={**slurm, "LAUNCHER": launcher, **env}, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
 
@@ -73,7 +73,9 @@ def wait_for(condition, what, timeout=300):
 def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_run(slurm, tiny, uninterrupted,
                                                                                    tmp_path, launcher, signal_form):
     out, log = tmp_path / "run", tmp_path / "slurm.log"
-    job_id = submit(slurm, launcher, log, long_run(tiny, out))
+    # the fresh run waits after step 6 until the signal comes (FINETUNE_TEST_HOLD): its 54 steps left take seconds,
+    # less than a signal can take through slurmctld and slurmd on a busy machine
+    job_id = submit(slurm, launcher, log, long_run(tiny, out), FINETUNE_TEST_HOLD="6")
     wait_for(lambda: (out / "checkpoints" / "latest").exists() or job(slurm, job_id)["JobState"] != "RUNNING"
              and job(slurm, job_id)["JobState"] != "PENDING", "first checkpoint")
     assert job(slurm, job_id)["JobState"] == "RUNNING", log.read_text()[-3000:]
@@ -87,7 +89,7 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_r
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", said[-4000:]
     stopped = re.search(rf"the run stopped by SIGUSR1 after step (\d+) with its checkpoint step-(\d+) written \(exit "
                         rf"\d+\): requeued job {job_id}\n", said)
-    assert stopped and stopped[1] == stopped[2], said[-4000:]
+    assert stopped and stopped[1] == stopped[2] == "6", said[-4000:]  # at the hold: no later
     assert f"resumed at step {stopped[1]} of 60" in said and "the run finished (exit 0)" in said
     r = results(out)
     assert r["world_size"] == 2  # srun: one task per GPU, not the header's one per node
