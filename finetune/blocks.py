@@ -11,7 +11,9 @@ from . import hardware
 from .base import fail
 
 CHUNK = 4096  # pieces of documents written at a time: at most 48 MB of output pages mapped at once
-LOSS, DOC_START = 1, 2  # bits of the per-token flags: this token is predicted (carries loss); a document starts here
+# bits of the per-token flags: this token is predicted (carries loss); a document starts here; (preference pairs) the
+# next segment, the pair's rejected sequence, attends to this token too: the prompt the two sequences share
+LOSS, DOC_START, SHARED = 1, 2, 4
 
 
 def best_fit_decreasing(lengths, block_size):
@@ -89,16 +91,19 @@ def write_split(batches, block_size, packing, folder, pairs=False):
         first = np.cumsum(m) - m  # each piece's first token in this chunk
         within = np.arange(first[-1] + m[-1]) - np.repeat(first, m)
         read, write = np.repeat(src[piece], m) + within, np.repeat(out[piece], m) + within
-        flags = np.memmap(folder / "source-loss", np.uint8, "r")[read] & (LOSS | DOC_START)
-        flags[first[new_segment[piece]]] = DOC_START
+        flags = np.memmap(folder / "source-loss", np.uint8, "r")[read] & (LOSS | DOC_START | SHARED)
+        flags[first[new_segment[piece]]] = DOC_START | (flags[first[new_segment[piece]]] & SHARED)
         table[:, 2] += count(np.repeat(block[piece], m), flags & LOSS)
         np.memmap(folder / "flags.bin", np.uint8, "r+")[write] = flags
         tokens = np.memmap(folder / "source-tokens", np.int32, "r")[read]
         np.memmap(folder / "tokens.bin", np.int32, "r+")[write] = tokens
-    if pairs:  # a pair's two sequences attend to themselves; the count is of pairs
-        rejected = np.flatnonzero(np.memmap(folder / "source-loss", np.uint8, "r") & DOC_START) - offsets[:-1]
-        chosen = rejected[doc]
-        table[:, 2], table[:, 3] = count(block, None), count(block, chosen ** 2 + (n - chosen) ** 2)
+    if pairs:  # a pair's two sequences attend to themselves (the rejected also to the shared prompt); count: pairs
+        source = np.memmap(folder / "source-loss", np.uint8, "r")
+        rejected = np.flatnonzero(source & DOC_START) - offsets[:-1]
+        owner = np.repeat(np.arange(len(lengths)), lengths)  # each token's pair
+        shared = np.bincount(owner, (source & SHARED) > 0, minlength=len(lengths)).astype(np.int64)
+        chosen, rest, prefix = rejected[doc], n - rejected[doc], shared[doc]
+        table[:, 2], table[:, 3] = count(block, None), count(block, chosen ** 2 + rest ** 2 + 2 * rest * prefix)
         np.save(folder / "pieces.npy", doc)
     np.save(folder / "blocks.npy", table[table[:, 2] > 0])  # a block with nothing to learn (a long prompt's piece)
     for name in ("source-tokens", "source-loss"):
@@ -158,15 +163,22 @@ class Blocks:
         where = np.where(real, first[:, None] + cols[None, :], 0)
         ids = np.where(real, self.tokens[where], pad_id).astype(np.int64)
         flags = np.where(real, self.flags[where], DOC_START)  # each pad token is a segment of its own
-        starts = (flags & DOC_START) > 0
+        starts, shared = (flags & DOC_START) > 0, (flags & SHARED) > 0
         positions = cols[None, :] - np.maximum.accumulate(np.where(starts, cols[None, :], 0), axis=1)
+        prefix = shared_prefix(starts, shared) if shared.any() else None
+        if prefix is not None:  # a rejected answer goes on from the prompt it shares with its chosen one
+            positions = positions + prefix
         labels = np.full_like(ids, -100)
         labels[:, :-1] = np.where(flags[:, 1:] & LOSS & carry_loss, ids[:, 1:], -100)
         layout = attention_layout(getattr(config, "_attn_implementation", None))
         sequence = np.cumsum(starts & real).reshape(real.shape) - 1  # pairs: which answer each token is of
         if layout == "varlen":  # one row of the real tokens; FlashAttention takes the segments' boundaries
-            ids, positions, labels, starts, sequence = (x[real][None] for x in (ids, positions, labels, starts,
-                                                                                sequence))
+            ids, labels, starts, sequence = (x[real] for x in (ids, labels, starts, sequence))
+            if prefix is not None:
+                ids, labels, starts, sequence = unshared(ids, labels, starts, sequence, shared[real], prefix[real])
+            at = np.arange(len(ids))
+            positions = at - np.maximum.accumulate(np.where(starts, at, 0))
+            ids, positions, labels, starts, sequence = (x[None] for x in (ids, positions, labels, starts, sequence))
             bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
         if sequence_shard and sequence_shard[1] > 1:
             from . import sequence_parallel
@@ -182,8 +194,12 @@ class Blocks:
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         elif starts[:, 1:].any():  # one causal segment per row and no padding: the model's own mask
             causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            inputs["attention_mask"] = document_masks(
-                (segments[:, None, :, None] == segments[:, None, None, :]) & causal, config, layout)
+            same = (segments[:, None, :, None] == segments[:, None, None, :]) & causal
+            if prefix is not None:  # a rejected answer's tokens also see the prompt in the segment before theirs
+                key, query = hardware.to_device(np.stack([shared, prefix > 0]), device)
+                same |= ((segments[:, None, :, None] - 1 == segments[:, None, None, :]) & key[:, None, None, :]
+                         & query[:, None, :, None])
+            inputs["attention_mask"] = document_masks(same, config, layout, positions)
         if self.pieces is None:
             return inputs, (labels, index)
         # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
@@ -199,7 +215,29 @@ class Blocks:
                                                                      self.predicted[indices])]).astype(np.int64)
 
 
-def document_masks(same, config, layout):
+def shared_prefix(starts, shared):
+    """Per token, how many tokens of the segment before its own it attends to as well (the SHARED ones): a pair's
+    rejected answer, the prompt its chosen sequence holds; 0 elsewhere (a row's first segment: the row before it ends
+    with a whole pair or padding)."""
+    segment = np.cumsum(starts.ravel()) - 1
+    counts = np.bincount(segment, shared.ravel(), minlength=segment[-1] + 1).astype(np.int64)
+    return np.concatenate([[0], counts[:-1]])[segment].reshape(starts.shape)
+
+
+def unshared(ids, labels, starts, sequence, shared, prefix):
+    """FlashAttention's varlen layout (one row, cut at the segments' boundaries) cannot let a segment see another:
+    each rejected answer gets its own copy of the shared prompt back, before it, carrying no loss."""
+    at = np.flatnonzero(starts & (prefix > 0))  # the rejected answers' first tokens
+    where = np.repeat(at, prefix[at])
+    first = np.zeros(len(where), dtype=bool)
+    first[np.cumsum(prefix[at]) - prefix[at]] = True  # the copy starts the segment
+    starts = starts.copy()
+    starts[at] = False
+    return (np.insert(ids, where, ids[shared]), np.insert(labels, where, -100), np.insert(starts, where, first),
+            np.insert(sequence, where, sequence[where]))
+
+
+def document_masks(same, config, layout, positions=None):
     """The 4-D mask of each document attending to itself (`same`), with the model's sliding window where its layers
     have one: a 4-D mask passes transformers' mask building as it is, so a layer that attends only to its last
     `sliding_window` tokens (Mistral's, Gemma 2/3's local layers, gpt-oss's) must get that window here, or training
@@ -214,9 +252,9 @@ def document_masks(same, config, layout):
     as_layout = lambda m: m if layout != "additive" else torch.zeros(m.shape, device=m.device).masked_fill_(
         ~m, torch.finfo(torch.float32).min)  # eager attention adds the mask to the scores
     masks = {"full_attention": same}
-    if window and "sliding_attention" in kinds:
-        i = torch.arange(same.shape[-1], device=same.device)
-        masks["sliding_attention"] = same & (i[:, None] - i[None, :] < window)  # the last `window` tokens, itself in
+    if window and "sliding_attention" in kinds:  # the last `window` positions, itself in (a shared prompt: apart)
+        i = torch.arange(same.shape[-1], device=same.device) if positions is None else positions[:, None, :]
+        masks["sliding_attention"] = same & (i[..., :, None] - i[..., None, :] < window)
     masks = {kind: as_layout(masks.get(kind, same)) for kind in kinds}
     return masks.popitem()[1] if len(masks) == 1 else masks
 

@@ -24,7 +24,7 @@ from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
-VERSION = 3  # of the prepared files' layout: part of the cache key
+VERSION = 4  # of the prepared files' layout: part of the cache key
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
 BATCH = 10_000
@@ -165,11 +165,12 @@ def _chat_document(tokenizer, messages):
     return enc["input_ids"], mask
 
 
-def _documents(batch, indices, fmt, tokenizer, train_on_prompt, block_size):
+def _documents(batch, indices, fmt, tokenizer, train_on_prompt, block_size, packing):
     """datasets.map function: each row becomes `ids` and `loss` (1 where a token is predicted), or an `error`."""
     eos, rows = tokenizer.eos_token_id, [dict(zip(batch, values)) for values in zip(*batch.values())]
-    if fmt == "preference":  # a pair is one document (preference.py)
-        ids, loss, errors, cut = preference.documents(rows, tokenizer, block_size, _chat_document)
+    if fmt == "preference":  # a pair is one document (preference.py); packed, its prompt held once
+        ids, loss, errors, cut = preference.documents(rows, tokenizer, block_size, _chat_document,
+                                                      share=packing == "isolated")
         return {"ids": ids, "loss": loss, "cut": cut,
                 "error": [f"row {k}: {e}" if e else None for k, e in zip(indices, errors)]}
     errors = [_row_error(fmt, row) for row in rows]
@@ -309,7 +310,7 @@ def _prepare(args, tokenizer, folder, partial):
         docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
                         num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
                         fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=args.train_on_prompt,
-                                       block_size=args.block_size))
+                                       block_size=args.block_size, packing=args.packing))
         if quiet:  # as training.quiet had it
             datasets.disable_progress_bars()
         fitted = sum(docs["cut"]) if fmt == "preference" else 0  # pairs cut to fit a block

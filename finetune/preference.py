@@ -6,9 +6,11 @@ The formats, found from the columns (TRL's names; docs/preference.md):
                                chosen and rejected the assistant's turns), rendered with the chat template
   chosen + rejected            whole texts or conversations: the prompt is their shared beginning
 A pair is one document of the prepared files: the chosen sequence, then the rejected one, which starts a segment of
-its own (it attends only to itself), so packing places pairs whole and every micro-batch holds whole pairs. A
-sequence's log-probability is the sum over its answer's tokens (the loss mask). A pair longer than the block loses
-the prompt's beginning (down to one token), then the answers' ends (the longer first): the count is said.
+its own, so packing places pairs whole and every micro-batch holds whole pairs. With isolated packing the rejected
+sequence holds only the prompt's last token and its answer, and attends to the rest of the prompt where the chosen
+sequence holds it (pair_document): the prompt is computed once. A sequence's log-probability is the sum over its
+answer's tokens (the loss mask). A pair longer than the block loses the prompt's beginning (down to one token), then
+the answers' ends (the longer first): the count is said.
 """
 import time
 
@@ -79,16 +81,25 @@ def sequence(tokenizer, prompt, answer, chat_document):
     return list(ids), list(mask)
 
 
-def fit(chosen, rejected, block_size):
-    """The pair's two (ids, mask) cut to fit a block together, by the rule above: (chosen, rejected, cut?)."""
+def prompt_length(chosen, rejected):
+    """The prompt's tokens: those both sequences begin with, up to the first answer token of either."""
     (c, cm), (r, rm) = chosen, rejected
-    if len(c) + len(r) <= block_size:
+    return next((i for i, (x, y) in enumerate(zip(c, r)) if x != y or cm[i] or rm[i]), min(len(c), len(r)))
+
+
+def fit(chosen, rejected, block_size, share=False):
+    """The pair's two (ids, mask) cut to fit a block together, by the rule above: (chosen, rejected, cut?). `share`:
+    the pair document holds the prompt once and its last token twice (pair_document), else the prompt twice."""
+    (c, cm), (r, rm) = chosen, rejected
+    shared = prompt_length(chosen, rejected)
+    cost = (lambda p: p + min(p, 1)) if share else (lambda p: 2 * p)  # the block's tokens a prompt of p takes
+    a, b = len(c) - shared, len(r) - shared
+    if cost(shared) + a + b <= block_size:
         return chosen, rejected, False
-    # the prompt: the tokens both sequences begin with, up to the first answer token of either
-    shared = next((i for i, (x, y) in enumerate(zip(c, r)) if x != y or cm[i] or rm[i]), min(len(c), len(r)))
-    drop = min(-(-(len(c) + len(r) - block_size) // 2), max(0, shared - 1))  # its beginning, down to one token
-    prompt, a, b = shared - drop, len(c) - shared, len(r) - shared
-    room = block_size - 2 * prompt  # for the two answers
+    over = cost(shared) + a + b - block_size
+    drop = min(over if share else -(-over // 2), max(0, shared - 1))  # the prompt's beginning, down to one token
+    prompt = shared - drop
+    room = block_size - cost(prompt)  # for the two answers
     if a + b > room:  # the longer answer loses its end first
         a = min(a, max(-(-room // 2), room - b))
         b = room - a
@@ -96,9 +107,20 @@ def fit(chosen, rejected, block_size):
     return keep(c, cm, max(a, 0)), keep(r, rm, max(b, 0)), True
 
 
-def documents(rows, tokenizer, block_size, chat_document):
-    """The pair documents of these rows: ids, loss flags (1: predicted; 2: the rejected sequence starts here),
-    errors, and whether each was cut to fit."""
+def pair_document(chosen, rejected, share):
+    """(ids, flags) of a pair: the chosen sequence, then the rejected one as a segment of its own (flag 2). `share`
+    (isolated packing): the rejected sequence goes on from the prompt's last token, and sees the prompt's other
+    tokens where the chosen sequence holds them (flag 4; blocks.py gives its tokens their positions and mask), so a
+    prompt is computed once, not twice, and the numbers are those of two separate sequences."""
+    (c, cm), (r, rm) = chosen, rejected
+    keep = max(prompt_length(chosen, rejected) - 1, 0) if share else 0  # the prompt's tokens but its last
+    flags = [m | (4 if i < keep else 0) for i, m in enumerate(cm)] + [2] + list(rm[keep + 1:])
+    return c + r[keep:], flags
+
+
+def documents(rows, tokenizer, block_size, chat_document, share=False):
+    """The pair documents of these rows: ids, loss flags (1: predicted; 2: the rejected sequence starts here; 4: the
+    rejected sequence attends to this prompt token too), errors, and whether each was cut to fit."""
     ids, loss, errors, cut = [], [], [], []
     for row in rows:
         prompt, chosen, rejected, error = split_prompt(row)
@@ -107,12 +129,12 @@ def documents(rows, tokenizer, block_size, chat_document):
         if error is None:
             try:
                 c, r = (sequence(tokenizer, prompt, answer, chat_document) for answer in (chosen, rejected))
-                c, r, was_cut = fit(c, r, block_size)
+                c, r, was_cut = fit(c, r, block_size, share)
                 if not any(c[1][1:]) or not any(r[1][1:]):
                     error = (f"the pair does not fit --block-size {block_size} with a token of each answer: "
                              f"raise --block-size")
                 else:
-                    pair = (c[0] + r[0], list(c[1]) + [2] + list(r[1][1:]))
+                    pair = pair_document(c, r, share)
             except ValueError as e:
                 error = str(e)
         ids.append(pair[0] if pair else [])

@@ -52,15 +52,20 @@ def data_args(path, **kw):
 
 
 def sequences(split):
-    """Every pair of a split as (chosen tokens, its loss flags, rejected tokens, its flags), in the pairs' order."""
+    """Every pair of a split as (chosen tokens, its loss flags, rejected tokens, its flags), in the pairs' order; a
+    rejected sequence whole, with the prompt it shares with the chosen one (packed) put back before it."""
     out = {}
     for b in range(len(split)):
         s, n = split.starts[b], split.lengths[b]
         tokens, flags = np.asarray(split.tokens[s:s + n]), np.asarray(split.flags[s:s + n])
         bounds = [*np.flatnonzero(flags & blocks.DOC_START), n]
-        segments = [(tokens[a:z].tolist(), (flags[a:z] & blocks.LOSS).tolist()) for a, z in zip(bounds, bounds[1:])]
+        segments = [(tokens[a:z].tolist(), flags[a:z]) for a, z in zip(bounds, bounds[1:])]
+        loss = lambda f: ((f & blocks.LOSS) > 0).astype(int).tolist()
         for k, pair in enumerate(split.pair_ids([b])):
-            out[int(pair)] = (*segments[2 * k], *segments[2 * k + 1])
+            (c, cf), (r, rf) = segments[2 * k], segments[2 * k + 1]
+            keep = int(((cf & blocks.SHARED) > 0).sum())
+            assert not (cf[keep:] & blocks.SHARED).any() and not (rf & blocks.SHARED).any()  # the prompt's start only
+            out[int(pair)] = (c, loss(cf), c[:keep] + r, [0] * keep + loss(rf))
     return [out[i] for i in range(len(out))]
 
 
@@ -77,21 +82,30 @@ def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs)
         assert train.predicted.max() >= 2 and len(train) < train.pairs_total  # several pairs a block
         assert sorted(train.pieces.tolist()) == list(range(train.pairs_total))  # every pair once, whole
     prompts = {tuple(tok(json.loads(line)["prompt"])["input_ids"]) for line in open(pairs["strings"])}
-    for c, cm, r, rm in sequences(prepared["strings"][0]):
+    train = prepared["strings"][0]
+    held = 0
+    for c, cm, r, rm in sequences(train):
         p = cm.index(1)  # the prompt, the same in both; the loss on each answer and its EOS, nowhere else
         assert tuple(c[:p]) in prompts and c[:p] == r[:p] and c[-1] == r[-1] == tok.eos_token_id
         assert cm == [0] * p + [1] * (len(c) - p) and rm == [0] * p + [1] * (len(r) - p)
-    # FlashAttention's layout (one padding-free row, GPU only) puts the same targets in the same answers
-    train = prepared["strings"][0]
+        held += len(c) + len(r) - (p - 1)
+    assert train.lengths.sum() == held  # packed, a pair holds its prompt once (and its last token twice)
+    # FlashAttention's layout (one padding-free row, GPU only) puts the same targets in the same answers, each
+    # sequence whole in its own segment (the shared prompt copied back), its positions from 0
     config = AutoConfig.from_pretrained(pairs["model"])
     layouts = {}
     for implementation in ("flash_attention_2", "sdpa"):
         config._attn_implementation = implementation
-        _, (labels, index, sequence, count, _, _) = train.batch([0, 1, 2], tok.pad_token_id, torch.device("cpu"),
-                                                                config)
-        layouts[implementation] = labels.flatten()[index].tolist(), sequence.tolist(), count
-    assert layouts["flash_attention_2"] == layouts["sdpa"] and layouts["sdpa"][2] == train.predicted[:3].sum()
+        inputs, (labels, index, sequence, count, _, _) = train.batch([0, 1, 2], tok.pad_token_id, torch.device("cpu"),
+                                                                     config)
+        layouts[implementation] = labels.flatten()[index].tolist(), sequence.tolist(), count, inputs
+    assert layouts["flash_attention_2"][:3] == layouts["sdpa"][:3] and layouts["sdpa"][2] == train.predicted[:3].sum()
     assert sorted(set(layouts["sdpa"][1])) == list(range(2 * layouts["sdpa"][2]))  # every answer of every pair
+    row, bounds = layouts["flash_attention_2"][3]["input_ids"][0], layouts["flash_attention_2"][3]["cu_seq_lens_q"]
+    seqs = sequences(train)
+    whole = [seqs[i][j] for i in train.pair_ids([0, 1, 2]) for j in (0, 2)]  # chosen, rejected, pair by pair
+    assert [row[a:z].tolist() for a, z in zip(bounds, bounds[1:])] == whole
+    assert layouts["flash_attention_2"][3]["position_ids"][0].tolist() == [i for x in whole for i in range(len(x))]
     # the conversations with their prompt implicit are the same pairs as with it given
     assert sequences(prepared["implicit"][0]) == sequences(prepared["messages"][0])
     assert sequences(prepared["implicit"][1]) == sequences(prepared["messages"][1])
@@ -112,6 +126,39 @@ def test_a_pair_longer_than_the_block_loses_the_prompts_beginning_then_the_answe
     assert c3 == [9, 100, 101] and r3 == [9, 200, 201]
     (c4, _), (r4, _), _ = preference.fit(seq(10, 9), seq(10, 1), 8)  # 6 for the answers: 5 + the shorter's 1
     assert c4 == [9, 100, 101, 102, 103, 104] and r4 == [9, 100]
+    # packed, the pair holds its prompt once and the prompt's last token twice: 10 + 1 + 4 + 2 tokens
+    assert preference.fit(c, r, 17, share=True) == (c, r, False)
+    (c5, _), (r5, _), cut = preference.fit(c, r, 14, share=True)  # 3 of the prompt's first go
+    assert cut and c5 == c2 and r5 == r2
+    (c6, _), (r6, _), _ = preference.fit(c, r, 6, share=True)  # down to one prompt token: held twice either way
+    assert c6 == c3 and r6 == r3
+    assert preference.pair_document(c, r, True) == (c[0] + [9, 200, 201], [4] * 9 + [0] + [1] * 4 + [2, 1, 1])
+    assert preference.pair_document(c, r, False) == (c[0] + r[0], c[1] + [2] + r[1][1:])  # --packing none
+
+
+@pytest.mark.quick
+def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_window():
+    """Packed, the rejected sequence sees the prompt where the chosen one holds it: through a Mistral whose layers
+    attend to their last 3 positions, each sequence's logits are those it has alone (the window counts positions,
+    not places in the row, where the chosen answer lies between the prompt and the rejected one)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=3, attn_implementation="sdpa")
+    model = MistralForCausalLM(config).eval()
+    prompt, a, b = [5, 6, 7, 8, 9, 10], [30, 31, 32, 33], [40, 41]
+    ids, flags = preference.pair_document((prompt + a, [0] * 6 + [1] * 4), (prompt + b, [0] * 6 + [1] * 2), True)
+    split = blocks.Blocks.__new__(blocks.Blocks)  # one block holding the pair, as write_split lays it out
+    split.tokens, split.flags = np.array(ids, np.int32), np.array(flags, np.uint8) | [blocks.DOC_START] + [0] * 12
+    split.starts, split.lengths, split.predicted, split.pieces = (np.array([x]) for x in (0, len(ids), 1, 0))
+    split.first_piece, split.split_rows, split.reference, split.beta = np.array([0]), False, None, None
+    inputs, _ = split.batch([0], 0, torch.device("cpu"), config)
+    with torch.no_grad():
+        packed = model(**inputs).logits[0]
+        chosen, rejected = (model(torch.tensor([prompt + x])).logits[0] for x in (a, b))
+    torch.testing.assert_close(packed[:10], chosen, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed[10:], rejected[5:], rtol=0, atol=1e-5)  # from the prompt's last token on
 
 
 @pytest.mark.quick
