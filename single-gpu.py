@@ -133,8 +133,9 @@ def main(argv=None):
         stats.restore(checkpoints.load_state(folder, model, optimizer, scheduler, scaler, device))
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
-    preference.reference(model, (train, evals), args, out, tokenizer.pad_token_id, device, config, autocast, rank,
-                         world_size, say)  # preference pairs (DPO): the model as loaded scores them, once
+    with stats.paused():  # preference pairs (DPO): the model as loaded scores them, once (not training time)
+        preference.reference(model, (train, evals), args, out, tokenizer.pad_token_id, device, config, autocast,
+                             rank, world_size, say)
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(args.packing)} | {total_steps} steps of {global_batch} sequences "
         f"({training.split(args, world_size)}) | {args.precision} | {device}")

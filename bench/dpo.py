@@ -106,8 +106,8 @@ def main():
     (out / "chosen.jsonl").write_text("".join(json.dumps({"messages": r["prompt"] + r["chosen"]}) + "\n"
                                               for r in chosen))
     common = ["--lr", str(args.lr), "--beta", str(args.beta), "--epochs", str(args.epochs), "--warmup-ratio", "0.05"]
-    # the same pairs a step: ours, isolated packing, about 3.1 pairs of 60-90 tokens a 256-token block, 2 blocks a
-    # rank (12.3 pairs a step, measured); TRL and ours unpacked, 6 pairs a rank (12 a step)
+    # the same pairs a step: ours, isolated packing, 2.9 pairs a 128-token block (a pair of 61-78 tokens holds its
+    # prompt once: 36-47), 2 blocks a rank (11.7 pairs a step, measured); TRL and ours unpacked, 6 pairs a rank (12)
     ours = ["--model", str(sft / "final"), "--block-size", "256", "--batch-size", "2", "--zero-stage", "2",
             "--eval-every", "0", "--save-every", "0", "--prompt", "", "--overwrite", "--log-every", "20", "--deepspeed"]
     # TRL's run evaluates nothing; ours evaluates at least at the end: on one step's worth of the held-out pairs
@@ -116,7 +116,8 @@ def main():
     times, rows = {}, {}
     runs = [
         ("ours (isolated packing)", [*deepspeed(), "zero-optimization.py", "--dataset", str(out / "pairs.jsonl"),
-                                     "--output-dir", str(out / "ours"), *ours, *held_out, *common]),
+                                     "--output-dir", str(out / "ours"), *ours, *held_out, *common, "--block-size",
+                                     "128"]),
         ("ours (--packing none)", [*deepspeed(), "zero-optimization.py", "--dataset", str(out / "pairs.jsonl"),
                                    "--output-dir", str(out / "ours-none"), *ours, *held_out, *common, "--packing",
                                    "none", "--batch-size", "6"]),

@@ -309,6 +309,7 @@ class RunStats:
         self.train_time, self.tokens = state["train_time"], state["tokens"]
         self.grad_norms = state.get("grad_norms", [None] * self.step)  # checkpoints written before they were kept
         self.evals, self.eval_time = state.get("evals", []), state.get("eval_time", 0.0)
+        self.interval_start = time.perf_counter()  # loading the checkpoint was not training
         self.pair_metrics = state.get("pair_metrics", self.pair_metrics)
 
     def results(self, world_size, global_batch, held_bytes):
