@@ -108,7 +108,7 @@ def main():
     common = ["--lr", str(args.lr), "--beta", str(args.beta), "--epochs", str(args.epochs), "--warmup-ratio", "0.05"]
     # the same pairs a step: ours, isolated packing, 2.9 pairs a 128-token block (a pair of 61-78 tokens holds its
     # prompt once: 36-47), 2 blocks a rank (11.7 pairs a step, measured); TRL and ours unpacked, 6 pairs a rank (12)
-    ours = ["--model", str(sft / "final"), "--block-size", "256", "--batch-size", "2", "--zero-stage", "2",
+    ours = ["--model", str(sft / "final"), "--batch-size", "2", "--zero-stage", "2",
             "--eval-every", "0", "--save-every", "0", "--prompt", "", "--overwrite", "--log-every", "20", "--deepspeed"]
     # TRL's run evaluates nothing; ours evaluates at least at the end: on one step's worth of the held-out pairs
     held_out = ["--eval-dataset", str(out / "held-out.jsonl"), "--max-eval-samples", "12"]
@@ -120,7 +120,7 @@ def main():
                                      "128"]),
         ("ours (--packing none)", [*deepspeed(), "zero-optimization.py", "--dataset", str(out / "pairs.jsonl"),
                                    "--output-dir", str(out / "ours-none"), *ours, *held_out, *common, "--packing",
-                                   "none", "--batch-size", "6"]),
+                                   "none", "--batch-size", "6", "--block-size", "256"]),
         ("TRL DPOTrainer", [*deepspeed(), "bench/trl_dpo.py", "--model", str(sft / "final"), "--dataset",
                             str(out / "pairs.jsonl"), "--output-dir", str(out / "trl"), "--batch-size", "6",
                             "--max-length", "256", *common[:6]]),
@@ -138,7 +138,7 @@ def main():
         row["reference_s"] = statistics.median(row["reference"]) if row["reference"] else None
     # SFT on the same data (prompt + chosen answer), for tokens/s
     sft_cmd = [*deepspeed(), "zero-optimization.py", "--dataset", str(out / "chosen.jsonl"), "--output-dir",
-               str(out / "sft-same"), *ours, "--lr", str(args.lr), "--epochs", str(args.epochs)]
+               str(out / "sft-same"), *ours, "--block-size", "256", "--lr", str(args.lr), "--epochs", str(args.epochs)]
     times["SFT, same data"], _ = launch(sft_cmd, out / "sft-same")
     pairs = [json.loads(line) for line in open(out / "held-out.jsonl")]
     scores = score({name: r["folder"] / "final" for name, r in rows.items()} | {"SFT model (the reference)": sft /
