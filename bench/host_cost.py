@@ -1,0 +1,256 @@
+"""The host's work per steady training step, counted where no GPU is: what makes a small model slow on a GPU under
+an engine, and what a CPU shows exactly.
+
+    python3 bench/host_cost.py                  # one process, bf16 and fp32: the table (a minute on 2 CPU cores)
+    python3 bench/host_cost.py --ranks 1 2      # ... and on 2 ranks (torchrun), for the collectives
+    python3 bench/host_cost.py --where ZeRO-2   # where one run's ops and reads come from, by source line
+
+Per optimizer step, after three steps (the steady state), of single-gpu.py and zero-optimization.py at each ZeRO
+stage on a 12-layer narrow OPT (OPT-125m's 196 tensors in 0.6M parameters: the counts are the engine's, not the
+model's), 4 sequences of 64 tokens a rank:
+- ops: the aten operations dispatched; kernels: those that are not views or allocations (each a kernel launch on a
+  GPU, about 5-10 us of host time each);
+- reads: operations that read a tensor's value on the host (`.item()`, `bool(t)`, `float(t)`, `.tolist()`): each a
+  device sync on a GPU when the tensor lives there (both scripts also read 2 of the host's own: the stop flag);
+- syncs: the accelerator's synchronize() (torch.cuda.synchronize, DeepSpeed's get_accelerator().synchronize);
+- collectives: the process group's operations (all-reduce, reduce-scatter, all-gather, ...), by name.
+The counts are those of a GPU run but for the branches DeepSpeed takes only on CUDA (its side streams and events;
+docs/gpu.md). bench/BENCHMARKS.md holds the table; tests/test_host_cost.py holds the budgets.
+"""
+import argparse
+import collections
+import contextlib
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from finetune import demo, training  # noqa: E402
+
+RUNS = {  # name -> (script, its flags)
+    "single-gpu.py": ("single-gpu.py", []),
+    "ZeRO-0": ("zero-optimization.py", ["--zero-stage=0", "--deepspeed=ds_config_zero2.json"]),
+    "ZeRO-1": ("zero-optimization.py", ["--zero-stage=1", "--deepspeed=ds_config_zero2.json"]),
+    "ZeRO-2": ("zero-optimization.py", ["--zero-stage=2", "--deepspeed=ds_config_zero2.json"]),
+    "ZeRO-3": ("zero-optimization.py", ["--zero-stage=3", "--deepspeed=ds_config_zero3.json"]),
+    "ZeRO-3 + CPU offload": ("zero-optimization.py", ["--zero-stage=3", "--offload=cpu",
+                                                      "--deepspeed=ds_config_zero3.json"]),
+}
+COUNTED_STEP = 3  # steps 1-3 warm up (the optimizer's state, the engine's first-step work); step 4 is counted
+READS = {torch.ops.aten._local_scalar_dense.default}
+ALLOCATIONS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh", "aten::set_"}
+COLLECTIVES = ("c10d", "deepspeed")  # the namespaces of the process group's operations (and DeepSpeed's CPU one)
+
+
+class HostWork(TorchDispatchMode):
+    """Counts what the host asks of the device while it is active (see the module's docstring); with where=True also
+    the source line (outside torch) each op and each read came from."""
+
+    def __init__(self, where=False):
+        super().__init__()
+        self.where = where
+        self.ops = self.kernels = self.reads = self.syncs = 0
+        self.collectives, self.read_lines, self.op_lines = (collections.Counter() for _ in range(3))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        self.ops += 1
+        if name.split("::")[0] in COLLECTIVES:
+            self.collectives[name.split("::")[1].rstrip("_")] += 1
+        elif func in READS:
+            self.read(2)
+        elif not func.is_view and name not in ALLOCATIONS:
+            self.kernels += 1
+        if self.where:
+            self.op_lines[source_line(2)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def read(self, depth):
+        self.reads += 1
+        self.read_lines[source_line(depth + 1)] += 1
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Within: this mode, and the host reads and syncs torch's dispatcher does not see (.tolist() reads a CPU
+        tensor in place; synchronize() is no op at all)."""
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator, patched = get_accelerator(), []
+
+        def counted(owner, name, count):
+            original = getattr(owner, name)
+
+            def wrapper(*args, **kwargs):
+                count()
+                return original(*args, **kwargs)
+            patched.append((owner, name, original, owner.__dict__.get(name) is original))
+            setattr(owner, name, wrapper)
+
+        counted(torch.Tensor, "tolist", lambda: self.read(2))
+        counted(accelerator, "synchronize", lambda: setattr(self, "syncs", self.syncs + 1))
+        counted(torch.cuda, "synchronize", lambda: setattr(self, "syncs", self.syncs + 1))
+        try:
+            with self:
+                yield self
+        finally:
+            for owner, name, original, own in reversed(patched):
+                if own:
+                    setattr(owner, name, original)
+                else:  # an instance's attribute over its class's method: remove it
+                    delattr(owner, name)
+
+    def result(self):
+        return {"ops": self.ops, "kernels": self.kernels, "reads": self.reads, "syncs": self.syncs,
+                "collectives": dict(self.collectives), "read_lines": dict(self.read_lines.most_common()),
+                "op_lines": dict(self.op_lines.most_common(40))}
+
+
+def source_line(depth):
+    """The innermost frame outside torch (and this file), as 'package/file.py:line'."""
+    for frame in reversed(traceback.extract_stack()[:-depth]):
+        if "/torch/" not in frame.filename and "typing_extensions" not in frame.filename \
+                and frame.filename != __file__:
+            return f"{frame.filename.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{frame.lineno}"
+    return "?"
+
+
+def assets(folder):
+    """A 12-layer, 64-wide OPT (OPT-125m's tensors, dropout 0) with the demo's tokenizer, and 400 generated reviews."""
+    folder = Path(folder)
+    if not (folder / "model" / "config.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        demo.make_demo_corpus(folder / "reviews.csv", n=400, seed=1)
+        with open(folder / "reviews.csv") as f:
+            texts = [row["text"] for row in csv.DictReader(f)]
+        tokenizer = demo.make_demo_tokenizer(texts, vocab_size=300)
+        demo.make_demo_lm(folder / "model", tokenizer, hidden=64, layers=12, heads=4, positions=128, seed=0)
+    return {"model": folder / "model", "data": folder / "reviews.csv"}
+
+
+def flags(name, precision, files, out):
+    script, extra = RUNS[name]
+    return script, [f"--model={files['model']}", f"--dataset={files['data']}", "--block-size=64", "--batch-size=4",
+                    f"--max-steps={COUNTED_STEP + 2}", "--log-every=1000", "--save-every=0", "--eval-every=0",
+                    "--max-eval-samples=4", "--prompt=", f"--precision={precision}", f"--output-dir={out}",
+                    "--overwrite", *extra]
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), ROOT / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def count(script, argv, where=False, step=COUNTED_STEP):
+    """Run script's main(argv) in this process and count one steady step: from the end of step `step` to the end of
+    the next (what the loop does after a step, its checks, then a whole step)."""
+    counter, end_step = HostWork(where), training.RunStats.end_step
+    active = contextlib.ExitStack()
+
+    def counting_end_step(stats, *args, **kwargs):
+        end_step(stats, *args, **kwargs)
+        if stats.step == step:
+            active.enter_context(counter.counting())
+        elif stats.step == step + 1:
+            active.close()
+
+    training.RunStats.end_step = counting_end_step
+    try:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            load_script(script).main(argv)
+    finally:
+        active.close()
+        training.RunStats.end_step = end_step
+    return counter.result()
+
+
+def count_run(name, precision, files, ranks=1, where=False, launch=None):
+    """Run `name` in `precision` on `ranks` processes (one: plain python, a world of one; more: torchrun), each in a
+    fresh process (DeepSpeed keeps its process groups in globals), or through launch(script, argv, ranks): rank 0's
+    counts."""
+    with tempfile.TemporaryDirectory(prefix="host-cost-") as out:
+        script, argv = flags(name, precision, files, Path(out) / "run")
+        worker = ["bench/host_cost.py", "--worker", str(Path(out) / "counts"), str(where), script, *argv]
+        if launch is None:
+            launcher = [sys.executable] if ranks == 1 else [
+                str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+            done = subprocess.run([*launcher, *worker], cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+        else:
+            done = launch(worker[0], worker[1:], ranks)
+        if done.returncode:
+            sys.exit(f"error: {name} ({precision}) on {ranks} ranks failed:\n{done.stderr[-3000:]}")
+        return json.loads((Path(out) / "counts" / "rank-0.json").read_text())
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(folder, where, script, argv):
+    """One rank of count_run: count, then write this rank's figures."""
+    counts = count(script, argv, where == "True")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(counts))
+
+
+def table(rows):
+    """Markdown: one row per (run, precision, ranks), each figure also as a multiple of single-gpu.py's."""
+    lines = ["| run | precision | ranks | ops | x single-gpu.py | kernels | reads | syncs | collectives |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (name, precision, ranks), c in rows.items():
+        base = rows.get(("single-gpu.py", precision, 1))
+        ratio = f"{c['ops'] / base['ops']:.2f}x" if base else "-"
+        collectives = ", ".join(f"{n} {k}" for k, n in sorted(c["collectives"].items())) or "0"
+        lines.append(f"| {name} | {precision} | {ranks} | {c['ops']:,} | {ratio} | {c['kernels']:,} | {c['reads']} | "
+                     f"{c['syncs']} | {collectives} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN")
+    p.add_argument("--precision", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    p.add_argument("--ranks", nargs="+", type=int, default=[1])
+    p.add_argument("--where", choices=list(RUNS), help="where this run's ops and reads come from")
+    p.add_argument("--assets", default=str(ROOT / "out" / "host-cost"), help="the model and data (made if absent)")
+    p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # count_ranks' ranks
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.worker:
+        return worker(*args.worker[:3], args.worker[3:])
+    files = assets(args.assets)
+    if args.where:
+        for precision in args.precision:
+            c = count_run(args.where, precision, files, where=True)
+            print(f"{args.where}, {precision}: {c['ops']:,} ops, {c['reads']} reads")
+            print("\n".join(f"  read {n:>5}  {line}" for line, n in c["read_lines"].items()))
+            print("\n".join(f"  ops  {n:>5}  {line}" for line, n in c["op_lines"].items()))
+        return None
+    rows = {}
+    for ranks in args.ranks:
+        for precision in args.precision:
+            for name in args.runs:
+                if name == "single-gpu.py" and ranks > 1:
+                    continue
+                rows[name, precision, ranks] = count_run(name, precision, files, ranks)
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
