@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
 from finetune import models, quantization
 from finetune.hardware import experts_per_token
-from finetune.zero import swap_buffer_elements
+from finetune.zero import swap_buffer_elements, tuned_values, zero3_layers
 
 GiB = 2**30
 # Published OPT shapes (hidden, layers, heads, FFN), so the planner works offline for these ids.
@@ -38,8 +38,20 @@ OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO
            "ZeRO-3 + NVMe offload"]  # fastest first
 
 
+def llama_3_2_1b():
+    """Llama-3.2-1B's published config (its values), so that its shape is planned and benchmarked offline."""
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
+                                     "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})
+
+
 def load_config(name):
-    """The model's config: the published OPT shapes offline, else a local folder or the hub."""
+    """The model's config: the published OPT shapes and Llama-3.2-1B's offline, else a local folder or the hub."""
+    if name == "meta-llama/Llama-3.2-1B":
+        return llama_3_2_1b()
     shape = OPT_SHAPES.get(name.split("/")[-1]) if name.startswith("facebook/") else None
     if shape:
         hidden, layers, heads, ffn = shape
@@ -49,7 +61,8 @@ def load_config(name):
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError):
         sys.exit(f"error: cannot load a config for {name!r} (not a local folder, and the hub did not answer); "
-                 f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}")
+                 f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}, "
+                 f"meta-llama/Llama-3.2-1B")
 
 
 _BUILT = {}  # meta_model's: (config, LoRA rank, targets) -> (model, quantized weights)
@@ -86,6 +99,12 @@ def parameters(config, lora_rank=0, lora_targets="all-linear", bits=None, precis
     return list({id(p): (held(p), p.requires_grad) for p in model.parameters()}.values())
 
 
+def layer_params(config, lora_rank=0, lora_targets="all-linear"):
+    """The parameters of the model's largest transformer layer (ZeRO-3's leaf, its buckets' size), or None (LoRA: its
+    layers are not leaves, zero.zero3_layers)."""
+    return zero3_layers(meta_model(config, lora_rank, lora_targets)[0], whole_layers=not lora_rank)[1]
+
+
 def quantized_layers(model):
     """The layers from_pretrained gives bitsandbytes (transformers' own choice, quantizers/: every nn.Linear and
     Conv1D but the output head, what it ties, and the model's fp32 modules)."""
@@ -113,25 +132,30 @@ def count_params(config):
     return sum(n for n, _ in params), max(n for n, _ in params)
 
 
-def model_states(params, hidden, precision, ranks, option):
+def model_states(params, hidden, precision, ranks, option, layer=None):
     """Bytes of model states one rank holds: {"after_backward", "after_step", "in_step", "gpu", "cpu"} (gpu/cpu:
-    how the after-backward figure splits with offload). b: bytes of a weight in the training precision."""
+    how the after-backward figure splits with offload). b: bytes of a weight in the training precision. layer: the
+    parameters of the model's largest transformer layer, ZeRO-3's leaf (zero.zero3_layers), or None."""
     b = 4 if precision in ("fp32", "tf32") else 2
     n = ranks
     trainable = sum(k for k, t in params if t)
     frozen = sum(k for k, t in params if not t)
     largest = max((k for k, t in params if t), default=0)
     shard = lambda sel: sum(math.ceil(k / n) for k, t in params if sel(t))  # ZeRO-3 pads each tensor to n parts
-    persistent = sum(k for k, t in params if k <= 10 * hidden) if n > 1 else 0  # stage3_param_persistence_threshold
-    rbs = hidden * hidden  # ZeRO-3's reduce_bucket_size ("auto")
+    zero3 = tuned_values(3, hidden, True, n, layer)  # ZeRO-3's "auto" buckets and persistence threshold
+    threshold, rbs = zero3["stage3_param_persistence_threshold"], zero3["reduce_bucket_size"]
+    persistent = sum(k for k, t in params if k <= threshold) if n > 1 else 0  # small parameters held whole
     stage = int(option[5])
-    if stage == 0:  # the whole of everything on every rank; 16-bit runs keep an fp32 master and its fp32 grads
-        weights = (b if b == 2 else 4) * (trainable + frozen)
-        master = 4 * trainable if b == 2 else 0
-        grads = b * trainable
+    if stage == 0:  # the whole of everything on every rank. bf16 is autocast over fp32 weights (both scripts:
+        # zero.autocast_at_stage0), a frozen base (LoRA) loaded in 16 bits; DeepSpeed's fp16 keeps 16-bit weights and
+        # fp32 masters, its fp32 grads in the step
+        sixteen = precision == "fp16"
+        weights = (2 if sixteen else 4) * trainable + b * frozen
+        master = 4 * trainable if sixteen else 0
+        grads = (2 if sixteen else 4) * trainable
         held = weights + master + 8 * trainable
         return dict(after_backward=held + grads, after_step=held, gpu=held + grads, cpu=0,
-                    in_step=held + grads + (4 * trainable if b == 2 else 0))
+                    in_step=held + grads + (4 * trainable if sixteen else 0))
     if stage in (1, 2):  # one flat 16-bit buffer; fp32 master, moments and the reduced gradients partitioned
         weights = b * (trainable + frozen)
         mine = trainable / n
@@ -140,9 +164,9 @@ def model_states(params, hidden, precision, ranks, option):
             gpu = weights + b * largest
             cpu = states + 4 * mine + b * mine + b * largest
             return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
-        held = weights + states  # in the step: the fp32 flat copy of the gradient partition, or before it the norm's
-        return dict(after_backward=held + b * mine, after_step=held, gpu=held + b * mine, cpu=0,
-                    in_step=held + b * mine + max(4 * mine, norm_copy_bytes(params, n)))
+        held = weights + states  # in the step: the fp32 flat copy of the gradient partition (the norm copies none:
+        return dict(after_backward=held + b * mine, after_step=held, gpu=held + b * mine, cpu=0,  # mends.norm_at_once)
+                    in_step=held + b * mine + 4 * mine)
     # stage 3: everything partitioned: trainable 16-bit shards, a persistent 16-bit gradient partition, fp32 master
     # and moments; frozen shards; small parameters also held whole (gathered, persistent); one reduce bucket.
     # (LoRA adapters, made after the model's zero.Init, are cast to the run's 16 bits before the engine takes them.)
@@ -169,10 +193,11 @@ def nvme_buffers(params, ranks, b):
 
 
 def norm_copy_bytes(params, ranks):
-    """ZeRO-1/2 compute the gradient norm (for clipping, and reported) over each rank's partition one gradient piece at
-    a time, each copied to fp64 first (runtime/zero/stage_1_and_2.py, get_grad_norm_direct; with offload in the
-    backward hook, on the GPU): 8 bytes for each element of the largest piece, up to a whole partition. At a large
-    vocabulary that is the embedding's: Llama-3-8B's 525M elements, 4.2 GB."""
+    """ZeRO-2 + CPU offload computes the gradient norm (for clipping, and reported) over each rank's partition one
+    gradient piece at a time, each copied to fp64 first, in the backward hook on the GPU (runtime/zero/
+    stage_1_and_2.py): 8 bytes for each element of the largest piece, up to a whole partition. At a large vocabulary
+    that is the embedding's: Llama-3-8B's 525M elements, 4.2 GB. (Without offload DeepSpeed 0.19.8 did the same in the
+    step; mends.norm_at_once takes one foreach norm instead, which copies nothing.)"""
     trainable = [k for k, t in params if t]
     return 8 * min(max(trainable, default=0), math.ceil(sum(trainable) / ranks))
 
@@ -231,13 +256,14 @@ def plan(args):
     acts = acts_at(args.block_size)
     b = 4 if args.precision in ("fp32", "tf32") else 2
     total, hidden = sum(k for k, _ in held), config.get_text_config().hidden_size
+    layer = layer_params(config, args.lora_rank, args.lora_targets)
     rows = []
     for option in OPTIONS:
         states = {k: v + (constants if k != "cpu" else 0)
-                  for k, v in model_states(held, hidden, args.precision, ranks, option).items()}
+                  for k, v in model_states(held, hidden, args.precision, ranks, option, layer).items()}
         transient = b * dequantized  # a quantized layer's weight, dequantized for its matmul
-        if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets (x2: overlap_comm on GPUs)
-            transient += 2 * b * max(hidden ** 2, ZERO2_BUCKET)
+        if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets (x2: overlap_comm, 2+ GPUs)
+            transient += (2 if ranks > 1 else 1) * b * max(hidden ** 2, ZERO2_BUCKET)
         if option == "ZeRO-2 + CPU offload":  # the norm's fp64 copy is made in the backward pass here
             transient += norm_copy_bytes(params, ranks)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)

@@ -10,6 +10,7 @@ Places to tune are marked `To-Do:`.
 """
 import argparse
 import contextlib
+import os
 import shutil
 import time
 from pathlib import Path
@@ -70,7 +71,8 @@ def trainer_deepspeed_config(path, device, hidden_size, args):
         return None, {}
     config = zero.choose_optimizer(zero.read_config(path), device.type == "cuda")
     section = config.get("zero_optimization", {})
-    for key, value in zero.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda").items():
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    for key, value in zero.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda", world_size).items():
         if section.get(key) == "auto":
             section[key] = value
     return config, trainer_optimizer(config, args, path)

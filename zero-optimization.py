@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
 from finetune import checkpoints, data, demo, hardware, loss, models, preference, tracking, training
-from finetune import distributed, zero  # ZeRO
+from finetune import distributed, mends, zero  # ZeRO
 
 
 def parse_args(argv=None):
@@ -141,10 +141,10 @@ def main(argv=None):
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
         model=model, model_parameters=training.param_groups(model, args.weight_decay), config=ds_config,
         lr_scheduler=None if "scheduler" in ds_config else schedule, mpu=zero.sequence_parallel(args, model))
-    autocast = hardware.autocast(device, "none")  # ZeRO: the engine keeps 16-bit weights itself (and fp32 masters)
+    autocast = zero.autocast(model, device, args.precision)  # ZeRO: the engine's 16-bit weights, or ZeRO-0's autocast
     if args.compile:  # in place: the state dict keeps its names, so checkpoints and save_pretrained are unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
-    zero.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, ZeRO-0's gradient norm
+    mends.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, its slow paths (finetune/mends.py)
     stats = training.RunStats(config, model, args, device)  # losses, throughput and MFU, out of the loop's way
     stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
     if folder:

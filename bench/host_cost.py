@@ -10,8 +10,9 @@ stage on a 12-layer narrow OPT (OPT-125m's 196 tensors in 0.6M parameters: the c
 model's), 4 sequences of 64 tokens a rank:
 - ops: the aten operations dispatched; kernels: those that are not views or allocations (each a kernel launch on a
   GPU, about 5-10 us of host time each);
-- reads: operations that read a tensor's value on the host (`.item()`, `bool(t)`, `float(t)`, `.tolist()`): each a
-  device sync on a GPU when the tensor lives there (both scripts also read 2 of the host's own: the stop flag);
+- reads: operations that read a tensor's value on the host (`.item()`, `bool(t)`, `float(t)`, `.tolist()`, `.cpu()`):
+  each a device sync on a GPU when the tensor lives there (both scripts also read 2 of the host's own: the stop
+  flag, a CPU tensor);
 - syncs: the accelerator's synchronize() (torch.cuda.synchronize, DeepSpeed's get_accelerator().synchronize);
 - collectives: the process group's operations (all-reduce, reduce-scatter, all-gather, ...), by name.
 The counts are those of a GPU run but for the branches DeepSpeed takes only on CUDA (its side streams and events;
@@ -72,17 +73,17 @@ class HostWork(TorchDispatchMode):
         elif not func.is_view and name not in ALLOCATIONS:
             self.kernels += 1
         if self.where:
-            self.op_lines[source_line(2)] += 1
+            self.op_lines[source_line(2, callers=14 if name.startswith("c10d") else 0)] += 1
         return func(*args, **(kwargs or {}))
 
     def read(self, depth):
         self.reads += 1
-        self.read_lines[source_line(depth + 1)] += 1
+        self.read_lines[source_line(depth + 1, callers=2)] += 1
 
     @contextlib.contextmanager
     def counting(self):
-        """Within: this mode, and the host reads and syncs torch's dispatcher does not see (.tolist() reads a CPU
-        tensor in place; synchronize() is no op at all)."""
+        """Within: this mode, and the host reads and syncs torch's dispatcher does not see (.tolist() and .cpu() of
+        a CPU tensor dispatch nothing; synchronize() is no op at all)."""
         from deepspeed.accelerator import get_accelerator
 
         accelerator, patched = get_accelerator(), []
@@ -96,7 +97,9 @@ class HostWork(TorchDispatchMode):
             patched.append((owner, name, original, owner.__dict__.get(name) is original))
             setattr(owner, name, wrapper)
 
-        counted(torch.Tensor, "tolist", lambda: self.read(2))
+        for name in ("tolist", "cpu"):  # on a GPU each copies a device tensor to the host, waiting for it (.numpy()
+            # refuses a device tensor: the data's own indices)
+            counted(torch.Tensor, name, lambda: self.read(2))
         counted(accelerator, "synchronize", lambda: setattr(self, "syncs", self.syncs + 1))
         counted(torch.cuda, "synchronize", lambda: setattr(self, "syncs", self.syncs + 1))
         try:
@@ -112,16 +115,20 @@ class HostWork(TorchDispatchMode):
     def result(self):
         return {"ops": self.ops, "kernels": self.kernels, "reads": self.reads, "syncs": self.syncs,
                 "collectives": dict(self.collectives), "read_lines": dict(self.read_lines.most_common()),
-                "op_lines": dict(self.op_lines.most_common(40))}
+                "op_lines": dict(self.op_lines.most_common(40)),
+                "collective_lines": {k: n for k, n in self.op_lines.items() if " < " in k}}
 
 
-def source_line(depth):
-    """The innermost frame outside torch (and this file), as 'package/file.py:line'."""
+def source_line(depth, callers=0):
+    """The innermost frame outside torch (and this file), as 'package/file.py:line', and that many of its callers."""
+    found = []
     for frame in reversed(traceback.extract_stack()[:-depth]):
         if "/torch/" not in frame.filename and "typing_extensions" not in frame.filename \
                 and frame.filename != __file__:
-            return f"{frame.filename.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{frame.lineno}"
-    return "?"
+            found.append(f"{frame.filename.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{frame.lineno}")
+            if len(found) > callers:
+                break
+    return " < ".join(found) or "?"
 
 
 def assets(folder):
@@ -236,10 +243,12 @@ def main(argv=None):
     files = assets(args.assets)
     if args.where:
         for precision in args.precision:
-            c = count_run(args.where, precision, files, where=True)
-            print(f"{args.where}, {precision}: {c['ops']:,} ops, {c['reads']} reads")
+            c = count_run(args.where, precision, files, args.ranks[-1], where=True)
+            print(f"{args.where}, {precision}, rank 0 of {args.ranks[-1]}: {c['ops']:,} ops, {c['reads']} reads, "
+                  f"collectives {c['collectives']}")
             print("\n".join(f"  read {n:>5}  {line}" for line, n in c["read_lines"].items()))
             print("\n".join(f"  ops  {n:>5}  {line}" for line, n in c["op_lines"].items()))
+            print("\n".join(f"  coll {n:>5}  {line}" for line, n in c["collective_lines"].items()))
         return None
     rows = {}
     for ranks in args.ranks:

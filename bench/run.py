@@ -81,15 +81,16 @@ SETS = {  # model -> (steps, block size, repeats, [runs]); peers first
 
 
 def model_folder(name, out):
-    """The demo model, or an OPT shape with random weights and the demo tokenizer."""
+    """The demo model, or an OPT shape (or Llama-3.2-1B's) with random weights and the demo tokenizer."""
     if name == "demo":
         return demo.assets()["lm"]
     folder = out / "models" / name
     if not (folder / "config.json").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        config = plan.load_config(f"facebook/{name}")
-        torch.manual_seed(0)  # saved in bf16: half the disk; the scripts load it in fp32
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        config = plan.load_config("meta-llama/Llama-3.2-1B" if name == "llama-3.2-1b" else f"facebook/{name}")
+        torch.manual_seed(0)  # saved in bf16: half the disk; the scripts load it in fp32. Made on the GPU where there
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # is one: a 1B model in a second, not 20
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
         AutoTokenizer.from_pretrained(demo.assets()["lm"]).save_pretrained(folder)
     return folder
 
@@ -153,7 +154,7 @@ def planned_bytes(spec, config):
     option = "ZeRO-0" if spec["stage"] is None else f"ZeRO-{spec['stage']}"
     option += " + CPU offload" if spec["offload"] == "cpu" else ""
     return plan.model_states(plan.parameters(config, spec["lora"]), config.hidden_size, spec["precision"],
-                             spec["ranks"], option)["after_step"]
+                             spec["ranks"], option, plan.layer_params(config, spec["lora"]))["after_step"]
 
 
 def main(argv=None):

@@ -335,8 +335,8 @@ class RunStats:
 def what_ran(model):
     """What the run trained with, read from the model (under DeepSpeed the engine), not from the flags: the dtype the
     trainable weights are held in (ZeRO-3: their shards; the engine keeps fp32 masters beside 16-bit ones), gradient
-    checkpointing; under DeepSpeed its ZeRO stage, 16-bit mode, and the optimizer that steps and where its state is
-    (offload: DeepSpeed's CPU Adam)."""
+    checkpointing; under DeepSpeed its ZeRO stage, 16-bit mode (its own 16-bit weights, or torch's autocast over fp32
+    ones), and the optimizer that steps and where its state is (offload: DeepSpeed's CPU Adam)."""
     net = getattr(model, "module", model)
     trainable = next(p for p in net.parameters() if p.requires_grad)
     held = getattr(trainable, "ds_tensor", trainable)
@@ -344,7 +344,9 @@ def what_ran(model):
     ran = {"weights_dtype": name(held.dtype), "gradient_checkpointing": bool(net.is_activation_checkpointing)}
     if hasattr(model, "zero_optimization_stage"):
         ran["zero_stage"] = model.zero_optimization_stage()
-        ran["engine_precision"] = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else "fp32"
+        ran["engine_precision"] = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else \
+            f"{str(model.torch_autocast_dtype()).removeprefix('torch.')} autocast" if model.torch_autocast_enabled() \
+            else "fp32"
         inner = getattr(model.optimizer, "optimizer", model.optimizer)  # ZeRO's optimizers wrap the one that steps
         moments = [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
         ran["optimizer"] = f"{type(inner).__name__} on {moments[0].device.type if moments else 'nothing yet'}"
@@ -353,7 +355,8 @@ def what_ran(model):
 
 def profile(step, first=4, steps=4):
     """TRAIN_PROFILE=folder: torch.profiler over steps first+1 .. first+steps, each rank's table of where the time went
-    written to folder/profile-rank<r>.txt (bench/BENCHMARKS.md has what it found). Off unless asked."""
+    written to folder/profile-rank<r>.txt (bench/BENCHMARKS.md has what it found), and how often each event occurred
+    per step to folder/profile-rank<r>.json (kernel launches, device syncs: bench/gpu.py). Off unless asked."""
     folder = os.environ.get("TRAIN_PROFILE")
     if not folder or step not in (first, first + steps):
         return
@@ -365,8 +368,9 @@ def profile(step, first=4, steps=4):
     profile.active.__exit__(None, None, None)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     Path(folder).mkdir(parents=True, exist_ok=True)
-    table = profile.active.key_averages().table(sort_by=sort, row_limit=25)
-    (Path(folder) / f"profile-rank{rank}.txt").write_text(table)
+    events = profile.active.key_averages()
+    (Path(folder) / f"profile-rank{rank}.txt").write_text(events.table(sort_by=sort, row_limit=25))
+    write_json(Path(folder) / f"profile-rank{rank}.json", {e.key: e.count / steps for e in events})
 
 
 def profiled(cuda):

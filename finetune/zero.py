@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoints, hardware, quantization, training
+from . import checkpoints, hardware, mends, quantization, training
 from . import sequence_parallel as finetune_sp
 from .base import fail
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER
@@ -26,6 +26,8 @@ DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
 def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
     """Read the JSON config (--deepspeed PATH) and fill its "auto" values from the flags. An explicit value that
     disagrees with a flag is an error naming both; --zero-stage and --offload override the file."""
+    import deepspeed
+    mends.check_version(deepspeed.__version__)
     path = args.deepspeed
     config = read_config(path)
     zero = config.setdefault("zero_optimization", {})
@@ -57,9 +59,13 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
     if zero.get("offload_param", {}).get("device") == "nvme":
         size_swap_buffers(config, path, largest_parameter(model_config), world_size, 4 if args.precision in
                           ("fp32", "tf32") else 2)
-    if zero.get("stage") == 3 and "leaf_module" not in zero and hardware.experts_per_token(model_config)[0]:
-        zero["leaf_module"] = {"classes": moe_blocks(meta_model(model_config))}  # the file's own list wins
+    layer_params = None  # ZeRO-3: its transformer layers gathered and reduced whole (zero3_layers)
+    if zero.get("stage") == 3:
+        classes, layer_params = zero3_layers(meta_model(model_config), whole_layers=not getattr(args, "lora_rank", 0))
+        zero.setdefault("leaf_module", {"classes": classes})  # the file's own list wins
     choose_optimizer(config, torch.cuda.is_available())
+    autocast = autocast_at_stage0(config, args.precision, zero.get("stage", 0), path)  # ZeRO-0's bf16: torch's
+    engine_bf16 = args.precision == "bf16" and not autocast
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         config.setdefault(key, "auto")  # the loop needs these three to be what the flags say
     values = [  # (key in the JSON, value from the flags, flag named in an error)
@@ -76,7 +82,7 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
         ("scheduler.params.warmup_max_lr", args.lr, "--lr"),
         ("scheduler.params.warmup_num_steps", warmup_steps, "--warmup-ratio"),
         ("scheduler.params.total_num_steps", total_steps, "--epochs/--max-steps"),
-        ("bf16.enabled", args.precision == "bf16", "--precision"),
+        ("bf16.enabled", engine_bf16, "--precision"),
         ("fp16.enabled", args.precision == "fp16", "--precision"),
         # the loss scale of single-gpu.py's GradScaler (training.FP16_SCALER), so the pair skips the same steps
         ("fp16.initial_scale_power", int(math.log2(FP16_SCALER["init_scale"])), "training.FP16_SCALER"),
@@ -84,8 +90,8 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
          "training.FP16_SCALER's growth_interval - 1 (DeepSpeed grows the scale one clean step later than torch)"),
         ("fp16.hysteresis", 1, "torch's GradScaler (no hysteresis)"),
     ] + [(f"zero_optimization.{key}", value, None)
-         for key, value in tuned_values(zero.get("stage", 0), model_config.hidden_size,
-                                        torch.cuda.is_available()).items()]
+         for key, value in tuned_values(zero.get("stage", 0), model_config.hidden_size, torch.cuda.is_available(),
+                                        world_size, layer_params).items()]
     mismatches = []
     for dotted, value, flag in values:
         *parents, key = dotted.split(".")
@@ -123,26 +129,93 @@ def read_config(path):
         fail(f"DeepSpeed config {path} is not valid JSON ({e}); fix the file")
 
 
-def tuned_values(stage, hidden_size, cuda):
-    """The zero_optimization values that no flag sets, for "auto": the reduce buckets of ZeRO-3 scale with the hidden
-    size (the HF Trainer's rule); ZeRO-1/2's too, but at least 2.5e7 elements (fewer, larger collectives). overlap_comm
-    (which holds the buckets twice) pays on GPUs only, where it runs the reductions on a side CUDA stream."""
-    bucket = hidden_size * hidden_size if stage == 3 else max(hidden_size * hidden_size, int(2.5e7))
-    return {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda,
-            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-            "stage3_param_persistence_threshold": 10 * hidden_size}
+LARGEST_BUCKET = int(5e8)  # elements: DeepSpeed's own default bucket (1 GB in 16 bits), the most "auto" gives one
+
+
+def tuned_values(stage, hidden_size, cuda, world_size, layer_params=None):
+    """The zero_optimization values that no flag sets, for "auto". ZeRO-1/2's reduce buckets: hidden^2 elements, but
+    at least 2.5e7 (fewer, larger collectives). ZeRO-3 with its transformer layers as leaves (layer_params: the
+    largest layer's parameters, zero3_layers): a layer's parameters gathered in one collective, the next layer's
+    prefetched while this one computes, a layer's gradients reduced in one, and no parameter kept whole outside
+    its layer (persistent parameters cost a collective each after every step, stage3.py's _post_step); without
+    leaves, the HF Trainer's rule from the hidden size (a weight matrix a collective). overlap_comm (which holds the
+    buckets twice) pays on GPUs only, where it runs the reductions on a side CUDA stream, and only where there is a
+    reduction to overlap: on one GPU it would only wait for the side stream after every backward."""
+    square = hidden_size * hidden_size
+    bucket = square if stage == 3 else max(square, int(2.5e7))
+    values = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda and world_size > 1,
+              "stage3_prefetch_bucket_size": int(0.9 * square), "stage3_param_persistence_threshold": 10 * hidden_size}
+    if stage == 3 and layer_params:
+        values.update(reduce_bucket_size=min(max(square, layer_params), LARGEST_BUCKET),
+                      stage3_prefetch_bucket_size=min(layer_params, LARGEST_BUCKET),
+                      stage3_param_persistence_threshold=0)
+    return values
+
+
+def autocast_at_stage0(config, precision, stage, path):
+    """Whether the engine trains in bf16 as single-gpu.py does: torch's autocast over fp32 weights, with the optimizer
+    the config names (torch's fused AdamW). At ZeRO-0 DeepSpeed's own bf16 (bf16.enabled) takes its unfused 16-bit
+    optimizer instead (fp16/unfused_optimizer.py): per parameter an overflow check that reads a value on the host (a
+    device sync each: 196 a step for OPT-125m), a norm, an fp32 gradient copy and a copy back, 3.5x single-gpu.py's
+    operations a step; and it rounds the weights to bf16, where autocast keeps them fp32 (the same memory: 2-byte
+    weights beside 4-byte masters against 4-byte weights). So at ZeRO-0, --precision bf16 sets torch_autocast where the
+    file leaves both "auto" (or lacks them), and the script's own forward runs under it too; ZeRO-1/2/3 shard the
+    16-bit copies, which autocast would make 32-bit: they keep DeepSpeed's bf16. A file's explicit choice is kept."""
+    section = config.get("torch_autocast")
+    if section is None and precision == "bf16" and stage == 0 and config.get("bf16", {}).get("enabled", "auto") == "auto":
+        config["torch_autocast"] = section = {"enabled": True, "dtype": "bfloat16"}
+    enabled = bool(section and section.get("enabled"))
+    if enabled and str(section.get("dtype")).removeprefix("torch.") not in ({"bf16", "bfloat16"} if precision == "bf16"
+                                                                          else {"fp16", "float16", "half"}):
+        fail(f"{path}: torch_autocast autocasts to {section.get('dtype')} but --precision is {precision}; remove the "
+             f"torch_autocast section or change --precision")
+    return enabled
+
+
+def autocast(engine, device, precision):
+    """The script's autocast under the engine: none where the engine holds 16-bit weights itself (and fp32 masters);
+    at ZeRO-0 in bf16, where the engine autocasts over fp32 weights (autocast_at_stage0), the same autocast around
+    what runs outside its forward too (generating the samples), as in single-gpu.py."""
+    return hardware.autocast(device, precision if engine.torch_autocast_enabled() else "none")
+
+
+_META_MODELS = {}  # meta_model's, by config: the config asks for it twice (leaves, NVMe buffers), a 70B takes seconds
 
 
 def meta_model(model_config):
     """The model's structure without its storage (the meta device): built in a moment, whatever its size."""
     from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config)
+    key = model_config.to_json_string()
+    if key not in _META_MODELS:
+        with torch.device("meta"):
+            _META_MODELS[key] = AutoModelForCausalLM.from_config(model_config)
+    return _META_MODELS[key]
 
 
 def largest_parameter(model_config):
     """The elements of the model's largest parameter (at most models: the embedding), counted on the meta device."""
     return max(p.numel() for p in meta_model(model_config).parameters())
+
+
+def zero3_layers(model, whole_layers=True):
+    """(the classes ZeRO-3 takes as leaves, the parameters of the largest module of them, or None). ZeRO-3 gathers a
+    leaf module's parameters in one collective when it enters it, and releases them when it leaves, rather than a
+    collective for each of its linear layers and norms through a hook on each (zero_optimization.leaf_module): the
+    model's transformer layers (transformers' _no_split_modules: what must stay on one device), and a mixture of
+    experts' blocks (moe_blocks). Counted (bench/host_cost.py, OPT's shape, 2 ranks): 343 collectives a step for 12
+    layers, 30 with its layers as leaves and the buckets sized to a layer. Not the layers under LoRA (whole_layers
+    False): the first layer's input, the frozen embedding's output, needs no gradient, so torch fires the layer's
+    backward hook as soon as its output's gradient is there, and DeepSpeed 0.19.8 releases the layer's parameters
+    before the adapters' gradients are accumulated into them (a size mismatch in AccumulateGrad)."""
+    layers = set(getattr(model, "_no_split_modules", None) or []) if whole_layers else set()
+    sizes = {}
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            sizes[type(module).__name__] = max(sizes.get(type(module).__name__, 0),
+                                               sum(p.numel() for p in module.parameters()))
+    classes = list(sizes) + [name for name in (moe_blocks(model) if hardware.experts_per_token(model.config)[0]
+                                               else []) if name not in sizes]
+    return classes, max(sizes.values(), default=None)
 
 
 def moe_blocks(model):
@@ -315,61 +388,6 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
     return target
 
 
-def mend(engine):
-    """Mend, after deepspeed.initialize, what DeepSpeed 0.19.8 gets wrong where single-gpu.py is right:
-    - ZeRO-0 in fp32 clips with runtime/utils.py's clip_grad_norm_ and drops the norm it returns (and computes none
-      without clipping): keep it, for results.json.
-    - ZeRO-0 in fp16 or bf16 (fp16/unfused_optimizer.py: torch's AdamW is not DeepSpeed's FusedAdam): its constructor
-      takes an optimizer step on zero gradients (initialize_optimizer_states), so Adam's step count starts at 1 (the
-      first update 25% short) and weight decay shrinks the fp32 masters once. Undo it.
-    - ZeRO-0 in fp16: engine.backward scales the loss only for ZeRO's optimizers, yet the step divides the gradients
-      by the loss scale, so every update is 2^16 times too small and training stalls (DeepSpeed PR #8393, open).
-      Scale it here; keep the norm unscaled.
-    - fp16 at every stage: a clean step that ends a window grows the scale before it unscales the gradients with it,
-      halving that update (and ZeRO-3's logged norm). torch's GradScaler grows after the update: so does this, and
-      the config's loss_scale_window is one less than its growth_interval (DeepSpeed counts one more clean step)."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.utils import clip_grad_norm_
-
-    optimizer = engine.optimizer
-    stage0 = not isinstance(optimizer, ZeROOptimizer)
-    if isinstance(optimizer, FP16_UnfusedOptimizer):  # ZeRO-0 in fp16 or bf16
-        optimizer.optimizer.state.clear()  # Adam's state begins at the first real step
-        for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups):
-            for master, weight in zip(masters, weights):
-                master.data.copy_(weight.data)  # as before that zero-gradient step's weight decay
-    if engine.fp16_enabled():
-        # what holds cur_scale, looked up at each use: loading a ZeRO checkpoint replaces the loss_scaler object
-        scaler = lambda: optimizer.loss_scale_config if stage0 else optimizer.loss_scaler
-        update, step, backward, grown = optimizer._update_scale, optimizer.step, engine.backward, []
-
-        def update_after_the_step(overflow=False):
-            scale = scaler().cur_scale
-            update(overflow)
-            if not overflow and scaler().cur_scale != scale:  # grown: this step's gradients still carry `scale`
-                grown.append(scaler().cur_scale)
-                scaler().cur_scale = scale
-
-        def step_then_grow(*args, **kwargs):
-            done = step(*args, **kwargs)
-            if isinstance(optimizer, FP16_UnfusedOptimizer):  # (DeepSpeed's FusedAdam path unscales it itself)
-                optimizer._global_grad_norm = optimizer._global_grad_norm / scaler().cur_scale
-            if grown:
-                scaler().cur_scale = grown.pop()
-            return done
-
-        optimizer._update_scale, optimizer.step = update_after_the_step, step_then_grow
-        if stage0:
-            engine.backward = lambda loss, **kwargs: backward(loss * scaler().cur_scale, **kwargs)
-    elif stage0 and not engine.bfloat16_enabled():
-        def clip_and_keep():  # the engine reads optimizer._global_grad_norm after each step (engine.py)
-            optimizer._global_grad_norm = clip_grad_norm_(engine.module.parameters(), engine.gradient_clipping(),
-                                                          mpu=engine.mpu)
-
-        engine.clip_fp32_gradients = clip_and_keep
-
-
 def sequence_parallel(args, model):
     """--sequence-parallel's process groups and attention (sequence_parallel.py): the mpu for deepspeed.initialize,
     or None without it."""
@@ -412,19 +430,7 @@ def after_load(engine, folder, rank, args, step, device):
     if folder.name != "universal":
         return
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer inside ZeRO's
-    place_optimizer_steps(optimizer)
+    mends.place_optimizer_steps(optimizer)
     if engine.zero_optimization_partition_weights():
         for group, decay in zip(optimizer.param_groups, (args.weight_decay, 0.0)):  # training.param_groups' order
             group["weight_decay"] = decay
-
-
-def place_optimizer_steps(optimizer):
-    """Each parameter's AdamW `step` where torch reads it: a fused (or capturable) AdamW on the parameter's device, in
-    float32, another one on the CPU (as torch's own load_state_dict places it). DeepSpeed's universal load sets the
-    state directly, from files loaded onto the CPU (ds_to_universal; base_optimizer.py for ZeRO-1/2, stage3.py), so
-    the fused AdamW on a GPU would read a CPU `step` at the first step (an illegal memory access). And one tensor per
-    parameter: ZeRO-3's load gives them all the same one, which AdamW would then advance once per group and step."""
-    on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
-    for param, state in optimizer.state.items():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].to(param.device if on_device else "cpu", torch.float32, copy=True)

@@ -35,11 +35,12 @@ from finetune import demo  # noqa: E402
 
 # `make test` runs two files at a time (pytest-xdist, --dist loadfile: a file's module fixtures are made once), each
 # worker taking the next file in this order when its own is done: the longest first, so that both end together.
-# Seconds alone on 2 cores, roughly: 170, 150, 150, 100, 70, 60, 55, 50, 45, 40, 35, 30, 25, 15, 15; the rest in
+# Seconds alone on 2 cores, roughly: 170, 150, 150, 100, 70, 60, 55, 50, 45, 40, 35, 30, 25, 20, 15, 15; the rest in
 # process, a few seconds each.
 LONGEST_FIRST = ["test_reliability.py", "test_slurm.py", "test_zero.py", "test_job.py", "test_classification.py",
                  "test_plan.py", "test_bench.py", "test_lora.py", "test_qlora.py", "test_models.py", "test_basics.py",
-                 "test_sequence_parallel.py", "test_checkpoints.py", "test_preference.py", "test_single.py"]
+                 "test_sequence_parallel.py", "test_checkpoints.py", "test_host_cost.py", "test_preference.py",
+                 "test_single.py"]
 
 
 def pytest_collection_modifyitems(items):

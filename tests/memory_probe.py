@@ -5,7 +5,7 @@ figures for them. Run by tests/test_plan.py under `deepspeed --num_gpus 2` and a
 
 For each model, precision and option: the engine as zero-optimization.py builds it (the shipped ZeRO-3 config, its
 "auto" values filled), two optimizer steps, and memory.held_bytes after the second backward and after its step; and
-the largest fp64 copy the second step made (ZeRO-1/2's gradient norm, plan.norm_copy_bytes).
+the largest fp64 copy the second step made (ZeRO-2 + CPU offload's gradient norm, plan.norm_copy_bytes).
 """
 import argparse
 import json
@@ -22,7 +22,7 @@ from transformers.integrations import HfDeepSpeedConfig
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import plan  # noqa: E402
-from finetune import distributed, memory, training, zero  # noqa: E402
+from finetune import distributed, memory, mends, training, zero  # noqa: E402
 
 OPTIONS = {"ZeRO-0": (0, None), "ZeRO-1": (1, None), "ZeRO-2": (2, None), "ZeRO-3": (3, None),
            "ZeRO-2 + CPU offload": (2, "cpu"), "ZeRO-3 + CPU offload": (3, "cpu"), "ZeRO-3 + NVMe offload": (3, "nvme")}
@@ -32,9 +32,9 @@ def probe(folder, precision, option, world_size, nvme_path=""):
     config = AutoConfig.from_pretrained(folder)
     # before the HfDeepSpeedConfig: with a ZeRO-3 one alive, transformers would partition even the meta model
     params = plan.parameters(config)
-    planned = plan.model_states(params, config.hidden_size, precision, world_size, option)
+    planned = plan.model_states(params, config.hidden_size, precision, world_size, option, plan.layer_params(config))
     stage, offload = OPTIONS[option]
-    norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) else None
+    norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) and offload else None
     args = argparse.Namespace(deepspeed=str(zero.DEFAULT_CONFIG), batch_size=2, grad_accum=1, max_grad_norm=1.0,
                               lr=1e-3, weight_decay=0.0, precision=precision, zero_stage=stage, offload=offload,
                               nvme_path=nvme_path)
@@ -43,6 +43,7 @@ def probe(folder, precision, option, world_size, nvme_path=""):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                                    model_parameters=training.param_groups(model, 0.0))
+    mends.mend(engine)  # as zero-optimization.py: ZeRO-1/2's norm makes no fp64 copies (mends.norm_at_once)
     counts = {}
     for step in range(2):
         ids = torch.randint(0, config.vocab_size, (2, 16), device=engine.device)

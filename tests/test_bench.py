@@ -1,5 +1,5 @@
-"""bench/run.py on its tiny CPU set: the table is written, each row measured, the ratio to the seeds' recipe filled.
-A benchmark is never a timed test: no threshold on any figure."""
+"""bench/run.py on its tiny CPU set: the table is written, each row measured, the ratio to the seeds' recipe filled;
+bench/gpu.py's dry run. A benchmark is never a timed test: no threshold on any figure."""
 import re
 import subprocess
 from pathlib import Path
@@ -52,3 +52,25 @@ def test_a_probe_that_fails_is_a_row_and_the_set_goes_on(tmp_path, monkeypatch):
 def test_the_gpu_smoke_test_says_so_without_a_gpu():
     run = subprocess.run(["bash", "bench/gpu_check.sh", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and run.stderr.strip().startswith("error: no CUDA GPU here")
+
+
+def test_the_gpu_benchmarks_dry_run_has_its_columns_its_ratios_and_its_deadlines(tmp_path):
+    """bash bench/gpu.sh --dry: the GPU benchmark's parts on the CPU (the demo model), each its own process: the
+    table's columns, a ratio to single-gpu.py's and to the Trainer's, a part over its deadline stopped and named (the
+    rest go on), a part the budget cannot hold skipped without starting it."""
+    gpu = load_script("bench/gpu.py")
+    runs = ["single-gpu.py", "HF Trainer, run_clm, ZeRO-2"]
+    rows = gpu.main(["--dry", "--runs", *runs, "--out", str(tmp_path)])
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["tok_s"] > 0 for r in rows)
+    assert rows[0]["planned"] > 0 and rows[0]["peak"] > 0 and rows[0]["launches"] == 0  # no kernels on a CPU
+    table = (tmp_path / "GPU.md").read_text().splitlines()
+    assert table[2].split(" | ")[2:11] == ["tok/s", "x single-gpu.py", "x Trainer", "MFU", "peak GiB", "planned GiB",
+                                           "launches/step", "syncs/step", "last loss"]
+    single, trainer = ([c.strip() for c in line.strip("|").split("|")] for line in table[4:6])
+    assert single[3] == "1.00x" and trainer[4] == "1.00x"  # each against itself
+    assert single[4] == f"{rows[0]['tok_s'] / rows[1]['tok_s']:.2f}x"
+    stopped = gpu.main(["--dry", "--runs", "ZeRO-3", "--deadline", "1", "--out", str(tmp_path / "late")])
+    assert stopped[0]["status"] == "over its 1 s deadline" and "tok_s" not in stopped[0]
+    skipped = gpu.main(["--dry", "--runs", "ZeRO-2", "--budget", "5", "--out", str(tmp_path / "none")])
+    assert skipped[0]["status"] == "skipped: no time left in the budget"
+    assert not (tmp_path / "none" / "runs").exists()

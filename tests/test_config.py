@@ -16,7 +16,13 @@ ZERO2 = str(training.ROOT / "ds_config_zero2.json")
 
 
 def shape(hidden_size):
-    return types.SimpleNamespace(hidden_size=hidden_size)
+    """A 2-layer OPT of this width: a layer holds 12 h^2 + 13 h parameters (OPTDecoderLayer, ZeRO-3's leaf)."""
+    return OPTConfig(hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4, ffn_dim=4 * hidden_size,
+                     word_embed_proj_dim=hidden_size, vocab_size=128)
+
+
+def layer_params(hidden):
+    return 12 * hidden * hidden + 13 * hidden
 
 
 def ds_args(path=ZERO3, **kw):
@@ -33,8 +39,14 @@ def test_auto_values_come_from_the_flags():
                                              "torch_adam": True, "fused": True}
     assert config["bf16"]["enabled"] is False and config["fp16"]["enabled"] is False
     assert config["gradient_clipping"] == 1.0
-    assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
-    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
+    # ZeRO-3 gathers and reduces a transformer layer at a time (zero.tuned_values)
+    assert config["zero_optimization"]["leaf_module"] == {"classes": ["OPTDecoderLayer"]}
+    assert config["zero_optimization"]["reduce_bucket_size"] == layer_params(64) == 49_984
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == layer_params(64)
+    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    # the throughput timer's two syncs a step, off; bf16 steps without a host read of an overflow flag
+    assert config["timers"] == {"throughput": {"enabled": False}}
+    assert config["bf16"]["check_grad_overflow"] is False and "torch_autocast" not in config
     # fp16: the loss scale of single-gpu.py's GradScaler, so both skip the same steps (DeepSpeed grows it after
     # loss_scale_window + 1 clean steps, torch after growth_interval)
     assert (2 ** config["fp16"]["initial_scale_power"], config["fp16"]["loss_scale_window"] + 1,
@@ -213,10 +225,13 @@ def test_bad_files(tmp_path):
 
 
 @pytest.mark.parametrize("path", [ZERO2, ZERO3])
-@pytest.mark.parametrize("device, overlap", [("cpu", False), ("cuda", True)])
-def test_the_trainer_leaves_no_auto_value_unfilled(path, device, overlap):
-    """Accelerate refuses any "auto" the Trainer did not fill (overlap_comm, allgather_bucket_size): we fill those."""
+@pytest.mark.parametrize("device, ranks, overlap", [("cpu", 2, False), ("cuda", 2, True), ("cuda", 1, False)])
+def test_the_trainer_leaves_no_auto_value_unfilled(path, device, ranks, overlap, monkeypatch):
+    """Accelerate refuses any "auto" the Trainer did not fill (overlap_comm, allgather_bucket_size): we fill those.
+    overlap_comm only where there is a reduction to overlap: GPUs, more than one rank."""
     from types import SimpleNamespace
+
+    monkeypatch.setenv("WORLD_SIZE", str(ranks))
 
     import torch
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
@@ -226,7 +241,7 @@ def test_the_trainer_leaves_no_auto_value_unfilled(path, device, overlap):
     config, optimizer_args = script.trainer_deepspeed_config(path, torch.device(device), 768, flags)
     assert "optimizer" not in config and optimizer_args == {}  # the Trainer's AdamW, in groups (see the next test)
     hf = HfTrainerDeepSpeedConfig(config)  # what the Trainer (transformers 5.23) does with it
-    args = SimpleNamespace(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+    args = SimpleNamespace(world_size=ranks, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                            max_grad_norm=1.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
                            weight_decay=0.0, save_on_each_node=False, fp16=False, fp16_full_eval=False,
                            bf16=device == "cuda", bf16_full_eval=False, get_warmup_steps=lambda n: 0)
@@ -254,3 +269,63 @@ def test_the_trainer_makes_the_adamw_a_config_names():
         script.trainer_optimizer(adamw(lr=1e-3), flags, "c.json")
     lamb = {"optimizer": {"type": "Lamb", "params": {"lr": "auto"}}}
     assert script.trainer_optimizer(lamb, flags, "c.json") == {} and lamb["optimizer"]["type"] == "Lamb"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_at_zero0_is_autocast_over_fp32_weights_and_the_engines_own_above(stage, monkeypatch):
+    """At ZeRO-0 --precision bf16 is single-gpu.py's own bf16 (torch's autocast over fp32 weights, torch's fused
+    AdamW), not DeepSpeed's unfused 16-bit optimizer (a host read per parameter a step); ZeRO-1/2/3 shard DeepSpeed's
+    16-bit copies and keep them. fp16 stays DeepSpeed's (its loss scale; mends.py), on a GPU that has it."""
+    from deepspeed.accelerator import get_accelerator
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    config = zero.deepspeed_config(ds_args(precision="bf16", zero_stage=stage), 1, 10, 1, shape(8))
+    if stage == 0:
+        assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+        assert config["bf16"]["enabled"] is False
+    else:
+        assert "torch_autocast" not in config and config["bf16"]["enabled"] is True
+    fp16 = zero.deepspeed_config(ds_args(precision="fp16", zero_stage=0), 1, 10, 1, shape(8))  # DeepSpeed's, mended
+    assert "torch_autocast" not in fp16 and fp16["fp16"]["enabled"] is True
+
+
+def test_a_files_own_precision_choice_at_zero0_is_kept_or_named(tmp_path):
+    """A file that turns DeepSpeed's bf16 on at ZeRO-0 keeps it; a torch_autocast section that contradicts
+    --precision is one line."""
+    path = tmp_path / "ds.json"
+    config = json.loads(open(ZERO2).read())
+    config["bf16"]["enabled"] = True
+    path.write_text(json.dumps(config))
+    kept = zero.deepspeed_config(ds_args(str(path), precision="bf16", zero_stage=0), 1, 10, 1, shape(8))
+    assert kept["bf16"]["enabled"] is True and "torch_autocast" not in kept
+    config = json.loads(open(ZERO2).read())
+    config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match="torch_autocast autocasts to bfloat16 but --precision is fp32; remove the "
+                                         "torch_autocast section or change --precision"):
+        zero.deepspeed_config(ds_args(str(path), precision="fp32", zero_stage=0), 1, 10, 1, shape(8))
+
+
+@pytest.mark.parametrize("cuda, ranks, overlap", [(True, 2, True), (True, 1, False), (False, 2, False)])
+def test_overlap_comm_only_where_a_reduction_can_overlap(cuda, ranks, overlap):
+    """overlap_comm runs the reductions on a side CUDA stream: on one GPU there is nothing to overlap, only a wait."""
+    assert zero.tuned_values(2, 768, cuda, ranks)["overlap_comm"] is overlap
+
+
+def test_zero3_layers_are_leaves_sized_from_the_model():
+    """The model's transformer layers (its _no_split_modules) and a mixture of experts' blocks are ZeRO-3's leaves;
+    the reduce and prefetch buckets hold a layer, at most DeepSpeed's own 5e8 elements; without layers, the HF rule."""
+    from finetune import zero as z
+    classes, largest = z.zero3_layers(z.meta_model(shape(64)))
+    assert classes == ["OPTDecoderLayer"] and largest == layer_params(64)
+    values = z.tuned_values(3, 8192, True, 8, layer_params=12 * 8192 * 8192)  # a 70B-wide layer: capped
+    assert values["reduce_bucket_size"] == values["stage3_prefetch_bucket_size"] == z.LARGEST_BUCKET
+    assert z.tuned_values(3, 64, True, 8)["stage3_param_persistence_threshold"] == 640  # no layers known: per matrix
+
+
+def test_another_deepspeed_is_refused_in_one_line():
+    """The mends reach into DeepSpeed 0.19.8's private attributes: another version is one line, not a silent patch."""
+    from finetune import mends
+    mends.check_version(mends.MENDED_VERSION)
+    with pytest.raises(SystemExit, match="mends DeepSpeed 0.19.8 and this is DeepSpeed 0.20.0: install "
+                                         "deepspeed==0.19.8"):
+        mends.check_version("0.20.0")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import blocks, checkpoints, data, distributed, hardware, zero
+from finetune import blocks, checkpoints, data, distributed, hardware, mends, zero
 from finetune.hardware import Facts
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -207,7 +207,7 @@ def test_a_universal_resume_puts_each_step_where_adamw_reads_it(fused, where):
     optimizer = argparse.Namespace(param_groups=[{"params": [], "fused": fused, "weight_decay": 0.0}],
                                    state={p: {"step": shared, "exp_avg": torch.empty(p.shape, device="meta")}
                                           for p in params})
-    zero.place_optimizer_steps(optimizer)
+    mends.place_optimizer_steps(optimizer)
     steps = [optimizer.state[p]["step"] for p in params]
     assert all(s.device.type == where and s.dtype == torch.float32 for s in steps)
     assert steps[0] is not steps[1] and steps[0] is not shared

@@ -1,0 +1,184 @@
+"""The GPU benchmark that fits a short GPU slot: one command, one table (bench/gpu.sh runs it).
+
+    bash bench/gpu.sh              # one H100 or H200, at most 8 minutes: out/gpu/GPU.md, and $OUT/GPU.md where set
+    bash bench/gpu.sh --dry        # any machine: the tiny demo model on the CPU, the same parts and columns (seconds)
+
+Parts, each its own process with its own deadline (a slow part is a row that says so and the rest go on; a part that
+cannot finish before the whole budget is skipped), in this order: at OPT-125m's shape, 16 x 512 tokens, bf16:
+single-gpu.py, zero-optimization.py at ZeRO-2 and 3, the HF Trainer's run_clm recipe at ZeRO-2 (bench/peers.py),
+ZeRO-0 and ZeRO-3 + CPU offload; then the same at Llama-3.2-1B's shape. Each a plain `python` process: a world of
+one.
+
+Columns: useful tokens/s after the warm-up (the first log interval) and its ratio to single-gpu.py's and the
+Trainer's; MFU; peak memory allocated beside plan.py's planned peak for the run; per step the kernel launches and
+device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: training.profile; inside the warm-up interval);
+the last loss beside single-gpu.py's. Random weights (they time as trained ones) and generated reviews.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+RUNS = [  # (name, script, its flags, plan.py's option), in the order the goals need them, should the budget run out
+    ("single-gpu.py", "single-gpu.py", [], "ZeRO-0"),
+    ("ZeRO-2", "zero-optimization.py", ["--zero-stage=2", "--deepspeed=ds_config_zero2.json"], "ZeRO-2"),
+    ("ZeRO-3", "zero-optimization.py", ["--zero-stage=3", "--deepspeed=ds_config_zero3.json"], "ZeRO-3"),
+    ("HF Trainer, run_clm, ZeRO-2", "bench/peers.py", ["--recipe=run_clm", "--deepspeed"], None),
+    ("ZeRO-0", "zero-optimization.py", ["--zero-stage=0", "--deepspeed=ds_config_zero2.json"], "ZeRO-0"),
+    ("ZeRO-3 + CPU offload", "zero-optimization.py", ["--zero-stage=3", "--offload=cpu",
+                                                      "--deepspeed=ds_config_zero3.json"], "ZeRO-3 + CPU offload"),
+]
+# shape -> (sequences a step, block, steps, log interval, seconds each part may take); the profiler counts steps 5-8,
+# inside the first log interval, which the steady figures leave out
+SHAPES = {"opt-125m": (16, 512, 40, 10, 50), "llama-3.2-1b": (16, 512, 20, 10, 75)}
+DRY = {"demo": (4, 64, 12, 10, 60)}
+
+
+def parts(shapes):
+    return [(shape, *run) for shape in shapes for run in RUNS]
+
+
+def command(shape, name, script, extra, folder, model, dataset, dry):
+    batch, block, steps, log_every, _ = (DRY if dry else SHAPES)[shape]
+    if script == "bench/peers.py":
+        flags = [f"--model={model}", f"--dataset={dataset}", f"--block-size={block}", f"--batch-size={batch}",
+                 f"--steps={steps}", f"--warmup-steps={log_every}", f"--precision={'fp32' if dry else 'bf16'}",
+                 f"--output-dir={folder}"]
+    else:
+        flags = [f"--model={model}", f"--dataset={dataset}", f"--block-size={block}", f"--batch-size={batch}",
+                 f"--max-steps={steps}", f"--log-every={log_every}", f"--precision={'fp32' if dry else 'bf16'}",
+                 "--save-every=0", "--eval-every=0", "--max-eval-samples=16", "--prompt=", f"--output-dir={folder}",
+                 "--overwrite"]
+    return [sys.executable, script, *flags, *extra]
+
+
+def run_part(cmd, folder, deadline):
+    """Run one part in its own process group; stop it (and what it started) at its deadline. (exit status or None
+    when stopped, seconds)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TRAIN_PROFILE": str(folder / "profile"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    start = time.monotonic()
+    with open(folder / "output.log", "w") as log:
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            code = process.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    return code, time.monotonic() - start
+
+
+def steady_tokens_per_sec(r):
+    """Useful tokens per second after the first log interval (ours), or after the warm-up steps (the Trainer's)."""
+    if "steady" in r:
+        return r["steady"]["tokens"] / r["steady"]["seconds"]
+    later = r["log_intervals"][1:]
+    return sum(i[2] for i in later) / sum(i[1] for i in later) if later else None
+
+
+def profiled(folder):
+    """(kernel launches, device syncs) per step, from training.profile's counts."""
+    path = folder / "profile" / "profile-rank0.json"
+    if not path.exists():
+        return None, None
+    events = json.loads(path.read_text())
+    return sum(events.get(k, 0) for k in LAUNCHES), sum(events.get(k, 0) for k in SYNCS)
+
+
+def planned_peak(model, option, shape, dry):
+    """plan.py's peak per GPU for this run (bytes), or None for the Trainer's."""
+    import plan
+    if option is None:
+        return None
+    batch, block = (DRY if dry else SHAPES)[shape][:2]
+    args = argparse.Namespace(model=str(model), gpus=1, nodes=1, gpu_memory=80, cpu_memory=None,
+                              precision="fp32" if dry else "bf16", batch_size=batch, block_size=block,
+                              gradient_checkpointing=False, sequence_parallel=1, loss_chunk=1024, lora_rank=0,
+                              lora_targets="all-linear", load_in_4bit=False, load_in_8bit=False)
+    rows = plan.plan(args)[2]
+    return next(r["peak_bytes_per_gpu"] for r in rows if r["option"] == option)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry", action="store_true", help="the tiny demo model on the CPU: the parts and columns only")
+    p.add_argument("--budget", type=float, default=450, help="seconds for all parts (the slot's 8 minutes, less start)")
+    p.add_argument("--shapes", nargs="+", help="only these shapes (default: all)")
+    p.add_argument("--runs", nargs="+", help="only these runs (default: all)")
+    p.add_argument("--deadline", type=float, help="seconds each part may take (default: its shape's)")
+    p.add_argument("--out", default=str(ROOT / "out" / "gpu"))
+    args = p.parse_args(argv)
+    import torch
+    from finetune import demo
+    from run import model_folder
+
+    if not args.dry and not torch.cuda.is_available():
+        sys.exit("error: no CUDA GPU here; bench/gpu.sh --dry runs the same parts on the CPU")
+    out, began = Path(args.out), time.monotonic()
+    device = torch.cuda.get_device_name() if not args.dry else f"CPU ({os.cpu_count()} cores), dry run"
+    dataset = demo.assets()["reviews"]
+    rows = []
+    for shape, name, script, extra, option in parts(args.shapes or (DRY if args.dry else SHAPES)):
+        if args.runs and name not in args.runs:
+            continue
+        deadline = args.deadline or (DRY if args.dry else SHAPES)[shape][4]
+        row = {"shape": shape, "run": name}
+        rows.append(row)
+        if time.monotonic() - began + deadline > args.budget:
+            row["status"] = "skipped: no time left in the budget"
+            continue
+        model = model_folder(shape, out)
+        folder = out / "runs" / f"{shape}-{''.join(c if c.isalnum() else '_' for c in name)}"
+        code, seconds = run_part(command(shape, name, script, extra, folder, model, dataset, args.dry), folder,
+                                 deadline)
+        if code is None or code:
+            tail = (folder / "output.log").read_text().strip().splitlines()[-1:] or ["?"]
+            row["status"] = f"over its {deadline:.0f} s deadline" if code is None else f"failed: {tail[0][:90]}"
+            continue
+        r = json.loads((folder / "results.json").read_text())
+        row.update(status="ok", seconds=seconds, tok_s=steady_tokens_per_sec(r), peak=r["peak_memory_bytes"],
+                   planned=planned_peak(model, option, shape, args.dry), loss=r["losses"][-1])
+        row["launches"], row["syncs"] = profiled(folder)
+        row["mfu"] = r.get("mfu")  # ours: over the steady intervals, against the card's peak (training.RunStats)
+    table = report(rows, f"{device}, {'fp32' if args.dry else 'bf16'}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "GPU.md").write_text(table + "\n")
+    if os.environ.get("OUT"):  # the device tool brings back what is under $OUT
+        Path(os.environ["OUT"], "GPU.md").write_text(table + "\n")
+    print(table)
+    return rows
+
+
+def report(rows, device):
+    lines = [f"{device}; {time.strftime('%Y-%m-%d')}", "",
+             "| shape | run | tok/s | x single-gpu.py | x Trainer | MFU | peak GiB | planned GiB | launches/step | "
+             "syncs/step | last loss | status |", "|" + "---|" * 12]
+    for row in rows:
+        base = next((r for r in rows if r["shape"] == row["shape"] and r["run"] == "single-gpu.py"), {})
+        peer = next((r for r in rows if r["shape"] == row["shape"] and r["run"].startswith("HF Trainer")), {})
+        ratio = lambda other: f"{row['tok_s'] / other['tok_s']:.2f}x" if row.get("tok_s") and other.get("tok_s") \
+            else "-"
+        gib = lambda key: f"{row[key] / 2**30:.2f}" if row.get(key) else "-"
+        count = lambda key: f"{row[key]:,.0f}" if row.get(key) is not None else "-"
+        cells = [row["shape"], row["run"], f"{row['tok_s']:,.0f}" if row.get("tok_s") else "-", ratio(base),
+                 ratio(peer), f"{100 * row['mfu']:.1f}%" if row.get("mfu") else "-", gib("peak"), gib("planned"),
+                 count("launches"), count("syncs"), f"{row['loss']:.3f}" if row.get("loss") is not None else "-",
+                 row["status"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""What DeepSpeed 0.19.8 gets wrong, or makes slow, where single-gpu.py is right, mended after deepspeed.initialize
+(mend) and after a universal checkpoint's load (place_optimizer_steps). Each mend reaches into DeepSpeed's private
+attributes: check_version refuses another DeepSpeed in one line before the engine is built, rather than mend the
+wrong thing silently. What each costs or saves, counted: bench/host_cost.py, docs/gpu.md."""
+import math
+
+import torch
+
+from .base import fail
+
+MENDED_VERSION = "0.19.8"  # the DeepSpeed whose private attributes these mends were written against
+
+
+def check_version(version):
+    """The mends reach into DeepSpeed's private attributes: on another version they could mend the wrong thing
+    silently. One line instead, before the engine is built (zero.deepspeed_config asks)."""
+    if version != MENDED_VERSION:
+        fail(f"finetune/mends.py mends DeepSpeed {MENDED_VERSION} and this is DeepSpeed {version}: install "
+             f"deepspeed=={MENDED_VERSION} (requirements.txt), or read finetune/mends.py against the new version's "
+             f"source and update MENDED_VERSION")
+
+
+def mend(engine):
+    """Mend, after deepspeed.initialize, what DeepSpeed 0.19.8 gets wrong or makes slow where single-gpu.py is right:
+    - ZeRO-0 in fp32 (and in bf16 under torch_autocast) clips with runtime/utils.py's clip_grad_norm_, a norm and a
+      multiplication per parameter, and drops the norm it returns (and computes none without clipping): clip as
+      single-gpu.py does (torch's, over all gradients at once: the same norm and coefficient), and keep the norm for
+      results.json. With sequence parallelism (an mpu) DeepSpeed's own, which knows its groups.
+    - ZeRO-0 on one rank all-reduces the gradients with itself: all of them flattened into one buffer, then each
+      copied back (two copies of every gradient a step). There is no other rank: no reduction. On more ranks the
+      copies back are one foreach copy, not a copy per parameter.
+    - ZeRO-0 in fp16 or bf16 (fp16/unfused_optimizer.py: torch's AdamW is not DeepSpeed's FusedAdam): its constructor
+      takes an optimizer step on zero gradients (initialize_optimizer_states), so Adam's step count starts at 1 (the
+      first update 25% short) and weight decay shrinks the fp32 masters once. Undo it.
+    - ZeRO-0 in fp16: engine.backward scales the loss only for ZeRO's optimizers, yet the step divides the gradients
+      by the loss scale, so every update is 2^16 times too small and training stalls (DeepSpeed PR #8393, open).
+      Scale it here; keep the norm unscaled.
+    - fp16 at every stage: a clean step that ends a window grows the scale before it unscales the gradients with it,
+      halving that update (and ZeRO-3's logged norm). torch's GradScaler grows after the update: so does this, and
+      the config's loss_scale_window is one less than its growth_interval (DeepSpeed counts one more clean step)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    optimizer = engine.optimizer
+    stage0 = not isinstance(optimizer, ZeROOptimizer)
+    if isinstance(optimizer, FP16_UnfusedOptimizer):  # ZeRO-0 in fp16 or bf16
+        optimizer.optimizer.state.clear()  # Adam's state begins at the first real step
+        for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+            for master, weight in zip(masters, weights):
+                master.data.copy_(weight.data)  # as before that zero-gradient step's weight decay
+    if engine.fp16_enabled():
+        # what holds cur_scale, looked up at each use: loading a ZeRO checkpoint replaces the loss_scaler object
+        scaler = lambda: optimizer.loss_scale_config if stage0 else optimizer.loss_scaler
+        update, step, backward, grown = optimizer._update_scale, optimizer.step, engine.backward, []
+
+        def update_after_the_step(overflow=False):
+            scale = scaler().cur_scale
+            update(overflow)
+            if not overflow and scaler().cur_scale != scale:  # grown: this step's gradients still carry `scale`
+                grown.append(scaler().cur_scale)
+                scaler().cur_scale = scale
+
+        def step_then_grow(*args, **kwargs):
+            done = step(*args, **kwargs)
+            if isinstance(optimizer, FP16_UnfusedOptimizer):  # (DeepSpeed's FusedAdam path unscales it itself)
+                optimizer._global_grad_norm = optimizer._global_grad_norm / scaler().cur_scale
+            if grown:
+                scaler().cur_scale = grown.pop()
+            return done
+
+        optimizer._update_scale, optimizer.step = update_after_the_step, step_then_grow
+        if stage0:
+            engine.backward = lambda loss, **kwargs: backward(loss * scaler().cur_scale, **kwargs)
+    elif stage0 and not engine.bfloat16_enabled():
+        def clip_and_keep():  # the engine reads optimizer._global_grad_norm after each step (engine.py)
+            parameters = [p for p in engine.module.parameters() if p.grad is not None]
+            optimizer._global_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, engine.gradient_clipping()) \
+                if engine.mpu is None else clip_grad_norm_(parameters, engine.gradient_clipping(), mpu=engine.mpu)
+
+        engine.clip_fp32_gradients = clip_and_keep
+    if stage0 and engine.dp_world_size == 1 and engine.mpu is None:
+        engine.enable_backward_allreduce = False  # engine._backward_epilogue: no allreduce_gradients()
+    elif stage0:
+        def allreduce_and_copy(small_bucket, dp_group, dp_world_size=None):  # engine.py's, the copies at once
+            reduced = engine.allreduce_bucket(small_bucket, dp_group, dp_world_size)
+            torch._foreach_copy_(small_bucket, engine.unflatten(reduced, small_bucket))
+
+        engine.allreduce_and_copy = allreduce_and_copy
+    if not stage0 and engine.mpu is None and not engine.has_moe_layers:
+        norm_at_once(optimizer)
+        if not engine.zero_optimization_partition_weights() and not optimizer.cpu_offload:
+            clip_without_a_read(optimizer)
+
+
+def norm_at_once(optimizer):
+    """ZeRO 1-3 take the gradients' norm (for clipping, and reported) one parameter at a time: each gradient copied to
+    fp64, its norm, a pow, then a stack and a sum (stage_1_and_2.py and stage3.py, get_grad_norm_direct): 4 operations
+    a parameter, 800 a step for OPT-125m's 196 tensors, and an fp64 copy of the largest gradient. Here: one foreach
+    norm over all of a rank's gradients, accumulated in fp32 as single-gpu.py's clip_grad_norm_ does, the squares
+    summed over the ranks (the same all-reduce), an invalid norm still DeepSpeed's -1. Not with CPU offload (its norm
+    is taken in the backward pass, on the CPU) nor the infinity norm."""
+    import deepspeed.comm as dist
+
+    original = optimizer.get_grad_norm_direct
+    offloaded = getattr(optimizer, "offload_optimizer", False) or getattr(optimizer, "cpu_offload", False)
+    if offloaded:
+        return
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        if norm_type != 2:
+            return original(gradients, params, norm_type)
+        grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]  # ZeRO-1/2's alignment padding
+        group = optimizer._get_param_partition_group(params[0]) if hasattr(optimizer, "_get_param_partition_group") \
+            else optimizer.dp_process_group
+        squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum() if grads \
+            else torch.zeros((), dtype=torch.float32, device=optimizer.device)
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+        norm = squares.sqrt()
+        return torch.where(norm.isfinite(), norm, torch.full_like(norm, -1.0))
+
+    optimizer.get_grad_norm_direct = get_grad_norm_direct
+
+
+def clip_without_a_read(optimizer):
+    """ZeRO-1/2 clip the gradients after asking whether the norm is valid with a bool on the host
+    (stage_1_and_2.py, unscale_and_clip_grads: a device sync, once per parameter group and step, whether or not the
+    step would clip). The same coefficient on the device: an invalid norm (inf, NaN, DeepSpeed's -1) clips to zero, as
+    there."""
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        if optimizer.clip_grad == 0.0 and optimizer.loss_scale == 1.0:
+            return
+        combined_scale = optimizer.loss_scale
+        if optimizer.clip_grad > 0.0:
+            norm = torch.as_tensor(total_norm, dtype=torch.float32, device=grad_groups_flat[0].device)
+            norm = torch.where(norm.isfinite() & (norm >= 0), norm, torch.full_like(norm, math.inf))
+            combined_scale = torch.clamp((norm / optimizer.loss_scale + 1e-6) / optimizer.clip_grad, min=1.0) \
+                * optimizer.loss_scale
+        for grad in grad_groups_flat:
+            for piece in grad if isinstance(grad, list) else [grad]:
+                piece.data.mul_(1.0 / combined_scale)
+
+    optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+
+
+def place_optimizer_steps(optimizer):
+    """Each parameter's AdamW `step` where torch reads it: a fused (or capturable) AdamW on the parameter's device, in
+    float32, another one on the CPU (as torch's own load_state_dict places it). DeepSpeed's universal load sets the
+    state directly, from files loaded onto the CPU (ds_to_universal; base_optimizer.py for ZeRO-1/2, stage3.py), so
+    the fused AdamW on a GPU would read a CPU `step` at the first step (an illegal memory access). And one tensor per
+    parameter: ZeRO-3's load gives them all the same one, which AdamW would then advance once per group and step."""
+    on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
+    for param, state in optimizer.state.items():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].to(param.device if on_device else "cpu", torch.float32, copy=True)
