@@ -13,6 +13,7 @@ which holds the training's collectives (the gloo one holds the stop votes only);
 collective times out (<output-dir>/nccl_trace_rank_N)."""
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 
 
 MIN_DIST_TIMEOUT = 10  # seconds: below it a report could not come before the collective's own timeout
+SESSIONS_GRACE = 5  # seconds this host's own launcher session gets to close after the report (end_launcher_sessions)
 REPORT_BY = 0.8  # rank 0 says its line by this share of --dist-timeout after the last progress, waiting for reports
 
 
@@ -149,6 +151,7 @@ class Watchdog:
         closing = threading.Thread(target=tracking.close_all, daemon=True)
         closing.start()
         closing.join(timeout=20)
+        end_launcher_sessions(os.environ.get("MASTER_PORT"))
         sys.stdout.flush()
         os._exit(HUNG)
 
@@ -219,3 +222,61 @@ def dump_flight_recorder(path):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(trace)
+
+
+def end_launcher_sessions(master_port, grace=SESSIONS_GRACE):
+    """After rank 0's report, the launcher ends too. DeepSpeed's multi-node launcher runs pdsh, which runs an ssh to
+    each host and waits for all of them: the ssh to a lost host never notices (SSH sends no keep-alive unless the
+    user's config asks for one: ServerAliveInterval is 0 by default), so the launch, and a SLURM job around it, would
+    run on until its time limit. A helper apart from this process (which exits now) gives this host's own session
+    `grace` seconds to close as its ranks exit, then ends the ssh clients of this job's pdsh that remain on this host:
+    pdsh then exits non-zero, and the launcher with it. Nothing happens where no pdsh of this job runs here (torchrun,
+    srun, one host, or rank 0 not on the launching host)."""
+    if master_port:
+        subprocess.Popen([sys.executable, "-m", "finetune.hangs", str(master_port), str(grace)], cwd=ROOT,
+                         start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+
+
+def launcher_sessions(master_port, proc=Path("/proc")):
+    """{pid of this job's pdsh: [pids of its ssh clients]} on this host. This job's pdsh: its command line holds the
+    remote launch (deepspeed.launcher.launch) with this run's --master_port, as job/slurm.sbatch finds its ranks."""
+    procs = {}
+    for entry in proc.glob("[0-9]*"):
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        procs[int(entry.name)] = ([c.decode(errors="replace") for c in command if c], parent)
+    port = f"--master_port={master_port}"
+    jobs = [pid for pid, (command, _) in procs.items() if command and Path(command[0]).name == "pdsh"
+            and "deepspeed.launcher.launch" in command and port in command]
+    return {job: [pid for pid, (command, parent) in procs.items() if parent == job and command
+                  and Path(command[0]).name == "ssh"] for job in jobs}
+
+
+def end_sessions(master_port, grace):
+    """The helper's work (end_launcher_sessions): give this job's pdsh `grace` seconds to end by itself, then end
+    what remains of its ssh clients, with SIGTERM, and 5 s later with SIGKILL; leave as soon as pdsh is gone."""
+    def wait(seconds):
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and launcher_sessions(master_port):
+            time.sleep(0.1)
+
+    wait(grace)
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        remaining = [pid for clients in launcher_sessions(master_port).values() for pid in clients]
+        if not remaining:
+            return
+        for pid in remaining:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        wait(5)
+
+
+if __name__ == "__main__":  # end_launcher_sessions' helper: python -m finetune.hangs PORT GRACE
+    end_sessions(sys.argv[1], float(sys.argv[2]))
+

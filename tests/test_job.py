@@ -61,8 +61,7 @@ def hosts(tmp_path_factory):
         f"Host closed\n  HostName {addresses[1]}\n  Port 2\n"  # nothing listens there: an unreachable host
         f"Host 10.77.0.* closed\n  User {getpass.getuser()}\n  IdentityFile {d}/client_key\n  IdentitiesOnly yes\n"
         f"  UserKnownHostsFile {d}/known_hosts\n  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n"
-        f"  ServerAliveInterval 2\n  ServerAliveCountMax 3\n"  # a cut link ends the launcher's ssh in seconds
-        f"  LogLevel ERROR\n")
+        f"  LogLevel ERROR\n")  # no keep-alive, as a user's: a cut link leaves an ssh waiting (SSH's default)
     (d / "bin").mkdir()
     (d / "bin" / "ssh").write_text(f"#!/bin/sh\nexec {shutil.which('ssh')} -F {d}/ssh_config \"$@\"\n")
     (d / "bin" / "ssh").chmod(0o755)
@@ -81,8 +80,7 @@ def hosts(tmp_path_factory):
             (d / f"sshd_config_{i}").write_text(
                 f"Port 22\nListenAddress {address}\nHostKey {d}/host_key_{i}\nAuthorizedKeysFile {d}/authorized_keys\n"
                 f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\nUsePAM no\n"
-                f"StrictModes no\nPermitRootLogin prohibit-password\nPidFile {d}/sshd_{i}.pid\n"
-                f"ClientAliveInterval 2\nClientAliveCountMax 3\n")
+                f"StrictModes no\nPermitRootLogin prohibit-password\nPidFile {d}/sshd_{i}.pid\n")
             sshds.append(subprocess.Popen(on(i, [SSHD, "-D", "-e", "-f", d / f"sshd_config_{i}"]),
                                           stderr=open(d / f"sshd_{i}.log", "w")))
         for address in addresses:  # both sshds answer, seen from the first host
@@ -114,8 +112,10 @@ def test_two_hosts_over_ssh_train_and_a_host_lost_mid_run_ends_the_job_and_the_f
     meet at the first host's address, each through the interface that reaches it (without that, the second rank
     offers gloo's peers 127.0.0.1, what the hosts' name resolves to, and the first cannot connect) and train under
     ZeRO-3. Then the second host's link is cut after a checkpoint (its rank neither answers nor closes a connection):
-    within --dist-timeout (20 s here) the first host's rank says which rank did not report and the job ends, nothing
-    of it left on the first host, the newest checkpoint whole; `--resume auto` on the first host alone (1 rank, the
+    within --dist-timeout (20 s here) the first host's rank says which rank did not report, and the whole launch
+    ends within --dist-timeout + 30 s of the cut under SSH's defaults (no keep-alive: the launcher's ssh to the lost
+    host would wait for ever; the reporting rank ends its sessions, hangs.end_launcher_sessions), nothing of it left
+    on the first host, the newest checkpoint whole; `--resume auto` on the first host alone (1 rank, the
     same global batch) continues to the uninterrupted run's losses (ZeRO-2 on 2 ranks of one host: the steps before
     the cut are the two hosts')."""
     hostfile, out, log = tmp_path / "hostfile", tmp_path / "run", tmp_path / "log"
@@ -142,10 +142,14 @@ def test_two_hosts_over_ssh_train_and_a_host_lost_mid_run_ends_the_job_and_the_f
     text = log.read_text()
     lines = [line for line in text.splitlines() if "error: no progress for " in line]
     assert len(lines) == 1 and "rank 1 did not report" in lines[0] and "rank 0 in " in lines[0], text[-3000:]
-    assert launcher.returncode != 0 and ended_after < 20 + 15, ended_after  # the docs' margin: 15 s
-    left = [pid for pid in subprocess.run(["ip", "netns", "pids", hosts["names"][0]], capture_output=True,
-                                          text=True).stdout.split()
-            if "sshd" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert launcher.returncode != 0 and ended_after < 20 + 30, ended_after  # the docs' margin: 30 s
+    for _ in range(20):  # (the helper that ended the launcher's sessions leaves as soon as pdsh has gone)
+        left = [pid for pid in subprocess.run(["ip", "netns", "pids", hosts["names"][0]], capture_output=True,
+                                              text=True).stdout.split()
+                if "sshd" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        if not left:
+            break
+        time.sleep(0.1)
     assert not left, [Path(f"/proc/{pid}/cmdline").read_text() for pid in left]
     for pid in subprocess.run(["ip", "netns", "pids", hosts["names"][1]], capture_output=True, text=True).stdout.split():
         if "zero-optimization" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
