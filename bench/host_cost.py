@@ -190,8 +190,9 @@ def count_run(name, precision, files, ranks=1, where=False, launch=None):
         script, argv = flags(name, precision, files, Path(out) / "run")
         worker = ["bench/host_cost.py", "--worker", str(Path(out) / "counts"), str(where), script, *argv]
         if launch is None:
-            launcher = [sys.executable] if ranks == 1 else [
-                str(Path(sys.executable).parent / "torchrun"), f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+            torchrun = str(Path(sys.executable).parent / "torchrun")
+            launcher = [sys.executable] if ranks == 1 else [torchrun, f"--nproc_per_node={ranks}",
+                                                            f"--master_port={free_port()}"]
             done = subprocess.run([*launcher, *worker], cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
         else:

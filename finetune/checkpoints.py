@@ -1,12 +1,15 @@
 """The run folder and its checkpoints: never overwriting a run by accident, resuming from the newest complete
 checkpoint (and checking that the resume trains on the same batches), publishing a checkpoint only once every rank
 has written it, keeping the newest and the best, the random state, and stopping on a signal with a checkpoint."""
+import contextlib
 import json
 import math
 import os
+import pickle
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -148,8 +151,7 @@ def load_best(model, out, stats, args, world_size, say):
     if hasattr(model, "load_checkpoint"):  # a DeepSpeed engine
         model.load_checkpoint(folder.parent, folder.name)
     else:
-        model.load_state_dict(torch.load(folder / "state.pt", map_location="cpu", mmap=True,  # the model's part read
-                                         weights_only=False)["model"])
+        model.load_state_dict(load(folder / "state.pt", map_location="cpu", mmap=True)["model"])  # its part read
     stats.final_step = step
     say(f"--final best: final/ is step {step}, eval loss {value:.4f} (the last step's: {stats.evals[-1][1]:.4f})")
 
@@ -159,7 +161,7 @@ def load_state(folder, model, optimizer, scheduler, scaler, device):
     would load a second copy of its weights onto the GPU), memory-mapped on a GPU run (only what is copied is read),
     copied into the model, the optimizer (onto its parameters' device), the schedule and the scaler, and dropped.
     Returns the run's progress (RunStats.state)."""
-    state = torch.load(folder / "state.pt", map_location="cpu", mmap=device.type == "cuda", weights_only=False)
+    state = load(folder / "state.pt", map_location="cpu", mmap=device.type == "cuda")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -243,6 +245,51 @@ def run_record(step, args, global_batch, world_size, model, stats):
             "code_version": code}
 
 
+# ----------------------------------------------------------------------------------------------------
+# Loading without running code: a checkpoint folder copied from elsewhere (a shared file system, a download) could
+# hold pickles that run a command as they load, as torch.load(weights_only=False) reads them
+
+_TORCH_LOAD = torch.load  # torch's own, whatever loading_safely() puts in its place meanwhile
+
+
+def allowed_types():
+    """What checkpoints hold beside tensors, numbers, strings and plain containers (all that weights_only=True loads
+    by itself): from DeepSpeed 0.19.8's files (every .pt of ZeRO 0-3, offload, fp16, bf16, LoRA and universal
+    checkpoints, loaded with weights_only=True) its ZeRO stage, its loss scalers' settings and its optimizer shards'
+    fragment addresses. Their constructors set attributes and run nothing else. Imported only where DeepSpeed is."""
+    if "deepspeed" not in sys.modules:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def load(path, **kwargs):
+    """torch.load that runs no code: weights_only (tensors, numbers, strings, plain containers) and allowed_types();
+    a file that holds anything else is refused in one line naming it and what it holds."""
+    try:
+        with torch.serialization.safe_globals(allowed_types()):
+            return _TORCH_LOAD(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        found = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
+        fail(f"{path} holds more than a checkpoint does ({found[:160]}): loading it could run code, so it is "
+             f"refused. Resume from a checkpoint this project wrote, or load the file yourself if you trust it")
+
+
+@contextlib.contextmanager
+def loading_safely():
+    """Within, torch.load is load(): DeepSpeed's checkpoint engine and universal conversion call torch.load with
+    weights_only=False (runtime/checkpoint_engine/torch_checkpoint_engine.py, checkpoint/ds_to_universal.py)."""
+    def safe(path, map_location=None, *args, weights_only=None, **kwargs):
+        return load(path, map_location=map_location, **kwargs)
+    torch.load = safe
+    try:
+        yield
+    finally:
+        torch.load = _TORCH_LOAD
+
+
 def rng_state(device):
     """This process's random state: the CPU's and its own GPU's only. (get_rng_state_all() would save every GPU the
     process sees, and a resume that sees fewer would fail.)"""
@@ -254,3 +301,13 @@ def set_rng_state(state, device):
     if state.get("cuda") is not None and device.type == "cuda":
         cuda = state["cuda"]
         torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda, device)  # a list: an older checkpoint
+
+
+if __name__ == "__main__":  # python -m finetune.checkpoints MODULE ARGS...: run MODULE (DeepSpeed's ds_to_universal)
+    import runpy                                                  # with torch.load loading safely (its workers too)
+
+    import deepspeed  # noqa: F401 (allowed_types: DeepSpeed's types)
+    sys.argv = sys.argv[1:]
+    with loading_safely():
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from . import checkpoints
 from .base import fail
 
 MENDED_VERSION = "0.19.8"  # the DeepSpeed whose private attributes these mends were written against
@@ -35,6 +36,8 @@ def mend(engine):
     - ZeRO-0 in fp16: engine.backward scales the loss only for ZeRO's optimizers, yet the step divides the gradients
       by the loss scale, so every update is 2^16 times too small and training stalls (DeepSpeed PR #8393, open).
       Scale it here; keep the norm unscaled.
+    - Loading a checkpoint runs whatever its pickles hold (DeepSpeed's checkpoint engine loads with
+      weights_only=False): load_checkpoint reads them as checkpoints.load does, or refuses the file in one line.
     - fp16 at every stage: a clean step that ends a window grows the scale before it unscales the gradients with it,
       halving that update (and ZeRO-3's logged norm). torch's GradScaler grows after the update: so does this, and
       the config's loss_scale_window is one less than its growth_interval (DeepSpeed counts one more clean step)."""
@@ -87,6 +90,13 @@ def mend(engine):
             torch._foreach_copy_(small_bucket, engine.unflatten(reduced, small_bucket))
 
         engine.allreduce_and_copy = allreduce_and_copy
+    load_checkpoint = engine.load_checkpoint
+
+    def load_checkpoint_safely(*args, **kwargs):  # DeepSpeed's checkpoint engine loads with weights_only=False
+        with checkpoints.loading_safely():
+            return load_checkpoint(*args, **kwargs)
+
+    engine.load_checkpoint = load_checkpoint_safely
     if not stage0 and engine.mpu is None and not engine.has_moe_layers:
         norm_at_once(optimizer)
         if not engine.zero_optimization_partition_weights() and not optimizer.cpu_offload:

@@ -162,7 +162,8 @@ def autocast_at_stage0(config, precision, stage, path):
     file leaves both "auto" (or lacks them), and the script's own forward runs under it too; ZeRO-1/2/3 shard the
     16-bit copies, which autocast would make 32-bit: they keep DeepSpeed's bf16. A file's explicit choice is kept."""
     section = config.get("torch_autocast")
-    if section is None and precision == "bf16" and stage == 0 and config.get("bf16", {}).get("enabled", "auto") == "auto":
+    engine_bf16 = config.get("bf16", {}).get("enabled", "auto")
+    if section is None and precision == "bf16" and stage == 0 and engine_bf16 == "auto":
         config["torch_autocast"] = section = {"enabled": True, "dtype": "bfloat16"}
     enabled = bool(section and section.get("enabled"))
     if enabled and str(section.get("dtype")).removeprefix("torch.") not in ({"bf16", "bfloat16"} if precision == "bf16"
@@ -374,10 +375,13 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         # extraction: a process per rank's shard; merging: a process per parameter, each holding one whole
         # parameter's three states, so fewer. No Megatron tensor-parallel metadata here: --inject_missing_state.
-        convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        # DeepSpeed's ds_to_universal, its torch.load made safe (finetune.checkpoints' __main__)
+        convert = subprocess.run([sys.executable, "-m", "finetune.checkpoints", "deepspeed.checkpoint.ds_to_universal",
                                   "--input_folder", str(folder), "--output_folder", str(partial),
                                   "--inject_missing_state", "--num_extract_workers", str(max(1, min(cores, shards))),
-                                  "--num_merge_workers", str(max(1, min(cores, 8)))], capture_output=True, text=True)
+                                  "--num_merge_workers", str(max(1, min(cores, 8)))], capture_output=True, text=True,
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
+                                     str(training.ROOT), os.environ.get("PYTHONPATH"))))})
         if convert.returncode != 0:
             last = (convert.stderr.strip() or convert.stdout.strip() or "no output").splitlines()[-1]
             fail(f"--resume: DeepSpeed could not convert {folder} to a universal checkpoint ({last}); resume with "
@@ -424,7 +428,7 @@ def after_load(engine, folder, rank, args, step, device):
     group's settings given to every parameter group (weight decay on biases and norms)."""
     path = (folder.parent if folder.name == "universal" else folder) / f"rng-{rank}.pt"
     if path.exists():
-        checkpoints.set_rng_state(torch.load(path, weights_only=False), device)
+        checkpoints.set_rng_state(checkpoints.load(path), device)
     else:
         torch.manual_seed(args.seed + 1_000_003 * step + rank)
     if folder.name != "universal":

@@ -1,6 +1,7 @@
 """Checkpoints and resume: on another number of ranks, refused when the global batch or the stage changed, after a
 kill during a save; what publishing keeps; --final best; a NaN loss stops the run; the catalogue of bad input."""
 import json
+import os
 import shutil
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from finetune import checkpoints, training, zero
-from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
+from conftest import (assert_close_losses, assert_same_weights, base_args, check, launch, load_script, long_run,
+                      results, weights)
 from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
@@ -61,6 +63,50 @@ def test_a_resume_that_changes_the_global_batch_or_the_stage_is_one_line(tiny, t
             zero.resume_folder(out, args, 1, {"zero_optimization": {"stage": stage}}, 0, print)
         assert str(refused.value).startswith("error: --resume: ") and message in str(refused.value)
     assert not list((out / "checkpoints").glob("*/universal"))  # refused before any conversion
+
+
+class RunsACommand:
+    """What a doctored checkpoint holds: unpickling it runs a shell command (it touches a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.quick
+def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tiny, tmp_path):
+    """single-gpu.py's state.pt doctored so that loading it runs a command: --resume refuses it in one line naming
+    the file and what it holds, and the command never runs. (torch.load with weights_only=False ran it.)"""
+    out, ran = tmp_path / "run", tmp_path / "ran"
+    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
+    single.main(argv)
+    crash_after_first_checkpoint(out)  # latest -> step-2
+    state = out / "checkpoints" / "step-2" / "state.pt"
+    saved = checkpoints.load(state)  # what this project writes loads safely
+    saved["stats"]["note"] = RunsACommand(ran)
+    torch.save(saved, state)
+    with pytest.raises(SystemExit) as refused:
+        single.main(argv + ["--resume"])
+    assert str(refused.value).startswith(f"error: {state} holds more than a checkpoint does (") and \
+        "posix.system" in str(refused.value) and "loading it could run code, so it is refused" in str(refused.value)
+    assert not ran.exists()
+
+
+def test_a_zero_shard_that_would_run_code_is_refused_on_every_rank(tiny, tmp_path, uninterrupted):
+    """The same in a shard DeepSpeed loads (its checkpoint engine asks torch.load for weights_only=False): the
+    uninterrupted run's newest checkpoint (ZeRO-2, 2 ranks), its model states doctored, resumed on 2 ranks."""
+    out, ran = tmp_path / "run", tmp_path / "ran"
+    shutil.copytree(uninterrupted / "checkpoints", out / "checkpoints")
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    shard = latest / "mp_rank_00_model_states.pt"
+    saved = checkpoints.load(shard)
+    saved["client_state_note"] = RunsACommand(ran)
+    torch.save(saved, shard)
+    resumed = launch("forked", "zero-optimization.py", long_run(tiny, out, "--resume"))
+    assert resumed.returncode != 0 and f"error: {shard} holds more than a checkpoint does (" in resumed.stderr
+    assert "Traceback" not in resumed.stderr and not ran.exists()
 
 
 @pytest.mark.quick

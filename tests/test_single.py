@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import (assert_close_losses, assert_same_weights, base_args, independent_loss, load_script, results,
                       weights)
-from finetune import data, hardware, models, training
+from finetune import checkpoints, data, hardware, models, training
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 single = load_script("single-gpu.py")
@@ -209,7 +209,7 @@ def test_resume_continues_with_identical_losses(tmp_path, tiny, monkeypatch):
     with pytest.raises(SystemExit, match="holds an unfinished run; pass --resume"):
         single.main(argv)
     loaded, kept = [], []
-    load, held_bytes = torch.load, models.held_bytes
+    load, held_bytes = checkpoints._TORCH_LOAD, models.held_bytes  # torch.load, as checkpoints.load calls it
 
     def load_and_watch(*args, **kwargs):
         state = load(*args, **kwargs)
@@ -223,7 +223,7 @@ def test_resume_continues_with_identical_losses(tmp_path, tiny, monkeypatch):
         kept.append(sum(t.nbytes for t in (r() for r in loaded) if t is not None
                         and t.untyped_storage().data_ptr() not in live))
         return held_bytes(model, optimizer)
-    monkeypatch.setattr(torch, "load", load_and_watch)
+    monkeypatch.setattr(checkpoints, "_TORCH_LOAD", load_and_watch)
     monkeypatch.setattr(models, "held_bytes", held_after_the_loop)
     single.main(argv + ["--resume"])
     monkeypatch.undo()
