@@ -175,16 +175,11 @@ def main(argv=None):
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
-                tag, ckpt = f"step-{step + 1}", out / "checkpoints"
-                (ckpt / f".tmp-{tag}").mkdir(parents=True, exist_ok=True)
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                            "stats": stats.state(), "rng": checkpoints.rng_state(device)},
-                           ckpt / f".tmp-{tag}" / "state.pt")
-                if rank == 0:  # what a resume checks, the arguments, the code's version
-                    training.write_json(ckpt / f".tmp-{tag}" / "run.json",
-                                        checkpoints.run_record(step + 1, args, global_batch, world_size, model, stats))
-                    checkpoints.publish(ckpt, tag, args.keep_checkpoints)
+                record = checkpoints.run_record(step + 1, args, global_batch, world_size, model, stats)  # run.json
+                with checkpoints.saving(out, record, args.keep_checkpoints, rank) as folder:  # a full disk: one line
+                    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                                "stats": stats.state(), "rng": checkpoints.rng_state(device)}, folder / "state.pt")
         if stopping:
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
 

@@ -2,6 +2,7 @@
 checkpoint (and checking that the resume trains on the same batches), publishing a checkpoint only once every rank
 has written it, keeping the newest and the best, the random state, and stopping on a signal with a checkpoint."""
 import contextlib
+import errno
 import json
 import math
 import os
@@ -108,6 +109,49 @@ def publish(root, tag, keep):
     for old in steps[:-keep] if keep > 0 else []:
         if old != best_folder:  # the lowest eval loss is kept whatever its age
             shutil.rmtree(old, ignore_errors=True)
+
+
+FULL = 16 * 2**20  # bytes: a disk with less free than this after a failed write is full
+
+
+@contextlib.contextmanager
+def saving(out, record, keep, rank):
+    """The checkpoint of step record["step"]: every rank writes its part within, into the folder this yields
+    (`.tmp-step-N`); then rank 0 writes run.json (`record`, run_record's) and publishes it. A disk too small for
+    it, known from the newest complete checkpoint's size (the next one is as large), is one line before anything
+    is written; a disk that fills while it is written is one line too, the partial folder removed. Either way the
+    newest complete checkpoint stays whole and named by `latest`, and --resume continues from it once there is room
+    (torch.save reports a full disk as a RuntimeError from its zip writer, not as an OSError)."""
+    root, tag = Path(out) / "checkpoints", f"step-{record['step']}"
+    partial = root / f".tmp-{tag}"
+    partial.mkdir(parents=True, exist_ok=True)
+    newest = root / (root / "latest").read_text().strip() if (root / "latest").exists() else None
+    needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file() and  # (not a universal conversion's)
+                 "universal" not in f.relative_to(newest).parts) if newest and newest.is_dir() else 0
+    free = shutil.disk_usage(partial).free
+    kept = f"{newest.name}, the newest complete checkpoint, is untouched" if newest else "no checkpoint is complete"
+    if needed > free:
+        shutil.rmtree(partial, ignore_errors=True)
+        fail(f"checkpoint {tag} needs about {gb(needed)} (as {newest.name} did) and {root} has {gb(free)} free: "
+             f"nothing written; {kept}. Free some room (or lower --keep-checkpoints, or use an --output-dir on a "
+             f"larger disk) and rerun with --resume")  # (newest exists: needed > 0)
+    try:
+        yield partial
+        if rank == 0:
+            write_json(partial / "run.json", record)
+            publish(root, tag, keep)
+    except (OSError, RuntimeError) as e:
+        if not (getattr(e, "errno", None) == errno.ENOSPC or ("write" in str(e) or "unexpected pos" in str(e))
+                and shutil.disk_usage(root).free < FULL):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        fail(f"the disk of {root} filled while checkpoint {tag} was written ({gb(shutil.disk_usage(root).free)} "
+             f"left{f'; it needs about {gb(needed)}' if needed else ''}): the partial checkpoint is removed and "
+             f"{kept}. Free some room and rerun{' with --resume' if newest else ''}")
+
+
+def gb(n):
+    return f"{n / 2**30:.2f} GB" if n >= 2**30 else f"{n / 2**20:.1f} MB"
 
 
 def best(root):

@@ -109,6 +109,54 @@ def test_a_zero_shard_that_would_run_code_is_refused_on_every_rank(tiny, tmp_pat
     assert "Traceback" not in resumed.stderr and not ran.exists()
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(name, size): a real small disk, a tmpfs of `size` mounted on tmp_path/name (root only: CI is root)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("mounting a tmpfs needs root")
+    mounted = []
+
+    def mount(name, size):
+        folder = tmp_path / name
+        folder.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
+        mounted.append(folder)
+        return folder
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_disk_is_one_line_the_newest_checkpoint_stays_and_resume_continues(tiny, tmp_path, small_disk):
+    """A real disk that fills: a 300 kB tmpfs, too small for the first checkpoint (state.pt is 0.5 MB): the write
+    fails, one line, the partial folder removed. A 900 kB one holds the first and not the second: the line comes
+    before the second is written (its size known from the first's), `latest` still names the first; on a larger
+    disk --resume then continues to the uninterrupted run's losses. (Before: two tracebacks from torch.save.)"""
+    argv = lambda out: base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
+    single.main(argv(tmp_path / "whole"))
+    whole = results(tmp_path / "whole")
+    tiny_disk = small_disk("tiny", "300k")
+    with pytest.raises(SystemExit) as full:
+        single.main(argv(tiny_disk / "run"))
+    assert str(full.value).startswith(f"error: the disk of {tiny_disk / 'run' / 'checkpoints'} filled while "
+                                      f"checkpoint step-2 was written (") and "no checkpoint is complete" in \
+        str(full.value)
+    assert not list((tiny_disk / "run" / "checkpoints").iterdir())  # the partial folder removed
+    small = small_disk("small", "900k")
+    with pytest.raises(SystemExit) as refused:
+        single.main(argv(small / "run"))
+    message = str(refused.value)
+    assert message.startswith("error: checkpoint step-4 needs about 0.5 MB (as step-2 did) and ") and \
+        "nothing written; step-2, the newest complete checkpoint, is untouched" in message
+    assert (small / "run" / "checkpoints" / "latest").read_text() == "step-2"
+    assert sorted(p.name for p in (small / "run" / "checkpoints").iterdir()) == ["latest", "step-2"]
+    shutil.copytree(small / "run", tmp_path / "moved")  # a larger disk
+    single.main(argv(tmp_path / "moved") + ["--resume"])
+    assert_close_losses(whole["losses"], results(tmp_path / "moved")["losses"], rtol=1e-6)
+
+
 @pytest.mark.quick
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tiny, tmp_path):
     out = tmp_path / "run"
