@@ -171,10 +171,48 @@ def init_distributed(args):
     try:
         deepspeed.init_distributed(timeout=timeout)
     except RuntimeError as e:  # refused or reset: the other side gave up, or offered an address nobody can reach
+        port = os.environ.get("MASTER_PORT")
+        if port_taken(str(e)):  # rank 0 could not listen: not the network, another process here holds the port
+            fail(taken_line(port, socket.gethostname(), port_holder(int(port))))
         fail(line.format(f"({str(e).strip().splitlines()[0].split('] ')[-1][:120]})"))
     finally:
         timer.cancel()
     return timeout
+
+
+def port_taken(error):
+    """Whether the rendezvous failed because rank 0 could not listen on the port: torch's TCPStore says EADDRINUSE
+    (errno 98) in its own words ("failed to listen on any local network address ... code: -98")."""
+    return "EADDRINUSE" in error or "code: -98" in error or "Address already in use" in error
+
+
+def taken_line(port, host, holder):
+    return (f"port {port} on {host} is taken by another process{f' ({holder})' if holder else ''}: rank 0 cannot open "
+            f"this run's rendezvous there. Give each run on a machine its own port: deepspeed --master_port N, "
+            f"torchrun --master_port N, MASTER_PORT=N for python (job/slurm.sbatch picks one from the job's id)")
+
+
+def port_holder(port, proc=Path("/proc")):
+    """'pid N: its command line' of the process that listens on this TCP port here, or None: the socket's inode from
+    /proc/net/tcp(6) (state 0A: listening), then the process whose file descriptors hold it."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                inodes.add(f"socket:[{fields[9]}]")
+    for fd in proc.glob("[0-9]*/fd/*") if inodes else []:
+        try:
+            if os.readlink(fd) in inodes:
+                command = (fd.parent.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f"pid {fd.parent.parent.name}: {command.strip()[:100]}"
+        except OSError:
+            continue
+    return None
 
 
 def run_distributed(main):

@@ -420,3 +420,27 @@ def test_stop_finds_its_world_at_the_first_step_and_a_stopped_run_leaves_the_gro
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_port_another_process_holds_is_named_not_blamed_on_the_network(tiny, tmp_path):
+    """Two runs on one machine with one port (the launchers' default, 29500): the second's rank 0 cannot listen there.
+    One line names the port and the process that holds it, and how to choose another; before, it said the network
+    or the interface was wrong (docs/multinode.md). A real process holds the port, listening as a run's rank 0 does."""
+    port = free_port()
+    holder = subprocess.Popen([sys.executable, "-c", f"import socket, time; s = socket.socket(); s.setsockopt("
+                               f"socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', {port})); s.listen(); "
+                               f"print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        run = launch("forked-python", "zero-optimization.py", base_args(tiny, tmp_path / "run") + ["--deepspeed"],
+                     env={"MASTER_PORT": str(port)})
+    finally:
+        holder.kill()
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    lines = [x for x in run.stderr.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1, run.stderr[-2000:]
+    assert lines[0].startswith(f"error: port {port} on {os.uname().nodename} is taken by another process (pid "
+                               f"{holder.pid}: {sys.executable} -c import socket") and lines[0].endswith(
+        "rank 0 cannot open this run's rendezvous there. Give each run on a machine its own port: deepspeed "
+        "--master_port N, torchrun --master_port N, MASTER_PORT=N for python (job/slurm.sbatch picks one from the "
+        "job's id)"), lines[0]
