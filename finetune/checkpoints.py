@@ -78,6 +78,14 @@ def resume_folder(out, args, world_size, zero_stage=None):
              f"{args.batch_size} x {args.grad_accum} micro-steps x {replicas} {unit} = "
              f"{args.batch_size * args.grad_accum * replicas}; pass {hint} to make {want}, or the steps would see "
              f"other data")
+    problem = damage(folder, saved)
+    if problem:
+        earlier = next((f for f in sorted(root.glob("step-*"), key=lambda f: -int(f.name.split("-")[1]))
+                        if int(f.name.split("-")[1]) < saved["step"] and (f / "run.json").exists()
+                        and not damage(f, json.loads((f / "run.json").read_text()))), None)
+        fail(f"--resume: {folder} is damaged: {problem}. " + (
+            f"{earlier.name} is whole: point {root / 'latest'} at it (echo {earlier.name} > {root / 'latest'}) and "
+            f"rerun with --resume" if earlier else "No earlier checkpoint is whole: start over with --overwrite"))
     if zero_stage is not None and saved.get("zero_stage") != zero_stage:
         fail(f"--resume: {folder} was written with ZeRO stage {saved.get('zero_stage')} and this run has stage "
              f"{zero_stage}; resume with --zero-stage {saved.get('zero_stage')} (another number of ranks is fine)")
@@ -89,6 +97,38 @@ def resume_folder(out, args, world_size, zero_stage=None):
         fail(f"--resume: {folder} was written with {written}; resume with it" if written else
              f"--resume: {folder} was written over an unquantized base; resume without {base(vars(args))}")
     return folder, saved
+
+
+def damage(folder, saved):
+    """What is wrong with a published checkpoint, in a phrase, or None: a file missing (each rank's rng-R.pt, and
+    DeepSpeed's optimizer shards and ZeRO-3's parameter shards of ranks 0..N-1 for the ranks that wrote it), or a
+    file cut short (torch.save writes a zip archive, whose directory comes last: one that does not open was not
+    written whole). A universal conversion beside it is not looked at."""
+    import re
+    import zipfile
+
+    files = [f for f in folder.glob("*.pt")]
+    stage, world = saved.get("zero_stage"), saved["world_size"]
+    wanted = ["state.pt"] if stage is None else [f"rng-{r}.pt" for r in range(world)] + (
+        ["mp_rank_00_model_states.pt"] if stage < 3 else [])
+    missing = [name for name in wanted if not (folder / name).exists()]
+    if missing:
+        return f"{missing[0]} is missing"
+    if stage is not None:
+        sp = saved.get("args", {}).get("sequence_parallel", 1) or 1
+        for kind, stages in (("optim_states", (1, 2, 3)), ("model_states", (3,))):
+            if stage in stages:
+                ranks = sorted(int(m.group(1)) for f in files if (m := re.search(rf"zero_pp_rank_(\d+)_mp_rank_00_"
+                                                                                   rf"{kind}\.pt$", f.name)))
+                if ranks != list(range(world)) and ranks != list(range(world // sp)):
+                    absent = sorted(set(range(world)) - set(ranks))
+                    return f"the {kind.replace('_', ' ')} of rank {absent[0] if absent else '?'} are missing"
+    for f in sorted(files):
+        try:
+            zipfile.ZipFile(f).close()
+        except (zipfile.BadZipFile, OSError):
+            return f"{f.name} is cut short ({f.stat().st_size:,} bytes: not a whole archive)"
+    return None
 
 
 def publish(root, tag, keep):

@@ -109,6 +109,39 @@ def test_a_zero_shard_that_would_run_code_is_refused_on_every_rank(tiny, tmp_pat
     assert "Traceback" not in resumed.stderr and not ran.exists()
 
 
+def test_a_damaged_newest_checkpoint_is_named_with_the_whole_one_before_it(tiny, tmp_path, uninterrupted):
+    """The uninterrupted run's checkpoints (ZeRO-2, 2 ranks; step-60 the newest): a shard cut short, a rank's
+    optimizer shard gone, its random state gone: --resume names the file in one line and the newest whole checkpoint
+    before it, never a traceback nor a silent start over. single-gpu.py's state.pt cut short: the same, end to end."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted / "checkpoints", out / "checkpoints")
+    newest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text()
+    args = load_script("zero-optimization.py").parse_args(long_run(tiny, out, "--resume"))
+    cut = newest / "mp_rank_00_model_states.pt"
+    for damage, problem in [
+            (lambda: cut.write_bytes(cut.read_bytes()[:1000]),
+             "mp_rank_00_model_states.pt is cut short (1,000 bytes: not a whole archive)"),
+            (lambda: next(newest.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")).unlink(),
+             "the optim states of rank 1 are missing"),
+            (lambda: (newest / "rng-1.pt").unlink(), "rng-1.pt is missing")]:
+        damage()
+        with pytest.raises(SystemExit) as refused:
+            zero.resume_folder(out, args, 2, {"zero_optimization": {"stage": 2}}, 0, print)
+        assert str(refused.value) == (f"error: --resume: {newest} is damaged: {problem}. step-55 is whole: point "
+                                      f"{out / 'checkpoints' / 'latest'} at it (echo step-55 > "
+                                      f"{out / 'checkpoints' / 'latest'}) and rerun with --resume")
+    one = tmp_path / "one"
+    argv = base_args(tiny, one, **{"--batch-size": 4, "--grad-accum": 2})
+    single.main(argv)
+    crash_after_first_checkpoint(one)  # latest -> step-2, the only one
+    state = one / "checkpoints" / "step-2" / "state.pt"
+    state.write_bytes(state.read_bytes()[:5000])
+    with pytest.raises(SystemExit, match=r"^error: --resume: .*step-2 is damaged: state.pt is cut short \(5,000 "
+                                         r"bytes: not a whole archive\)\. No earlier checkpoint is whole: start over "
+                                         r"with --overwrite$"):
+        single.main(argv + ["--resume"])
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """mount(name, size): a real small disk, a tmpfs of `size` mounted on tmp_path/name (root only: CI is root)."""
