@@ -294,7 +294,8 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- train, evaluate, save
     start = time.perf_counter()
-    train_metrics = trainer.train(resume_from_checkpoint=str(resume) if resume else None).metrics
+    with checkpoints.loading_safely():  # a resume loads no code (DeepSpeed's engine asks for weights_only=False)
+        train_metrics = trainer.train(resume_from_checkpoint=str(resume) if resume else None).metrics
     train_time = time.perf_counter() - start
     if stop.step is not None:  # stopped by a signal, its checkpoint written
         stop.stop.exit(stop.step, say)
