@@ -68,9 +68,10 @@ def write_split(batches, block_size, packing, folder, pairs=False):
     elif packing == "stream":  # concatenated and cut: each block is one segment, documents see each other
         src = np.arange(0, offsets[-1], block_size)
         n, block, new_segment = np.minimum(block_size, offsets[-1] - src), np.arange(len(src)), np.ones(len(src), bool)
-    else:  # one document per row, cut at block_size (the rest is dropped)
+    else:  # one document per row, cut at block_size (the rest is dropped); a pair's two sequences, a row each later
         keep = lengths > 0
-        doc, src, n = np.flatnonzero(keep), offsets[:-1][keep], np.minimum(lengths[keep], block_size)
+        doc, src = np.flatnonzero(keep), offsets[:-1][keep]
+        n = np.minimum(lengths[keep], 2 * block_size if pairs else block_size)  # (preference.fit fitted each)
         block, new_segment = np.arange(len(src)), np.ones(len(src), bool)
     nblocks = int(block[-1]) + 1 if len(block) else 0
     count = lambda index, weights: np.bincount(index, weights, minlength=nblocks).astype(np.int64)
@@ -99,8 +100,10 @@ def write_split(batches, block_size, packing, folder, pairs=False):
         np.memmap(folder / "tokens.bin", np.int32, "r+")[write] = tokens
     if pairs:  # a pair's two sequences attend to themselves (the rejected also to the shared prompt); count: pairs
         source = np.memmap(folder / "source-loss", np.uint8, "r")
-        rejected = np.flatnonzero(source & DOC_START) - offsets[:-1]
         owner = np.repeat(np.arange(len(lengths)), lengths)  # each token's pair
+        starts = np.flatnonzero(source & DOC_START)  # each pair's rejected sequence (a pair left out has none)
+        rejected = np.zeros(len(lengths), np.int64)
+        rejected[owner[starts]] = starts - offsets[owner[starts]]
         shared = np.bincount(owner, (source & SHARED) > 0, minlength=len(lengths)).astype(np.int64)
         chosen, rest, prefix = rejected[doc], n - rejected[doc], shared[doc]
         table[:, 2], table[:, 3] = count(block, None), count(block, chosen ** 2 + rest ** 2 + 2 * rest * prefix)
@@ -122,6 +125,7 @@ class Blocks:
         table = np.load(folder / "blocks.npy")
         self.starts, self.lengths, self.predicted, self.attended = (table[:, i] for i in range(4))
         self.format, self.examples, self.cut = meta["format"], meta.get("examples", []), meta[folder.name]["cut"]
+        self.pairs_said = meta[folder.name].get("pairs", "")  # preference pairs cut, dropped, skipped: counted
         self.pieces = np.load(folder / "pieces.npy") if self.format == "preference" else None  # pairs, block by block
         self.pairs_total = len(self.pieces) if self.pieces is not None else 0
         self.first_piece = np.cumsum(self.predicted) - self.predicted
@@ -136,9 +140,9 @@ class Blocks:
 
     def describe(self, packing):
         if self.pieces is not None:
-            cut = f"; {self.cut} pairs cut to fit a block: raise --block-size?" if self.cut else ""
+            said = f"; {self.pairs_said}" if self.pairs_said else ""
             return f"{self.pairs_total} pairs in {len(self)} sequences of <= {self.lengths.max()} tokens " \
-                   f"(preference, {packing} packing{cut})"
+                   f"(preference, {packing} packing{said})"
         cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
         return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
 

@@ -24,7 +24,7 @@ from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
-VERSION = 4  # of the prepared files' layout: part of the cache key
+VERSION = 5  # of the prepared files' layout: part of the cache key
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
 BATCH = 10_000
@@ -169,10 +169,9 @@ def _documents(batch, indices, fmt, tokenizer, train_on_prompt, block_size, pack
     """datasets.map function: each row becomes `ids` and `loss` (1 where a token is predicted), or an `error`."""
     eos, rows = tokenizer.eos_token_id, [dict(zip(batch, values)) for values in zip(*batch.values())]
     if fmt == "preference":  # a pair is one document (preference.py); packed, its prompt held once
-        ids, loss, errors, cut = preference.documents(rows, tokenizer, block_size, _chat_document,
-                                                      share=packing == "isolated")
-        return {"ids": ids, "loss": loss, "cut": cut,
-                "error": [f"row {k}: {e}" if e else None for k, e in zip(indices, errors)]}
+        ids, loss, notes = preference.documents(rows, tokenizer, block_size, _chat_document,
+                                                share=packing == "isolated")
+        return {"ids": ids, "loss": loss, "cut": notes, "error": [None] * len(rows)}  # a bad pair: skipped, counted
     errors = [_row_error(fmt, row) for row in rows]
     ok = [i for i, e in enumerate(errors) if e is None]
     ids, loss = [[] for _ in rows], [[] for _ in rows]
@@ -297,7 +296,7 @@ def _prepare(args, tokenizer, folder, partial):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),
                                   "loss": datasets.Sequence(datasets.Value("uint8")),
-                                  **({"cut": datasets.Value("bool")} if fmt == "preference" else {})})
+                                  **({"cut": datasets.Value("string")} if fmt == "preference" else {})})
     for name, split in (("train", train), ("eval", evaluation)):
         (partial / name).mkdir(parents=True, exist_ok=True)
         rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
@@ -313,12 +312,15 @@ def _prepare(args, tokenizer, folder, partial):
                                        block_size=args.block_size, packing=args.packing))
         if quiet:  # as training.quiet had it
             datasets.disable_progress_bars()
-        fitted = sum(docs["cut"]) if fmt == "preference" else 0  # pairs cut to fit a block
+        notes = docs["cut"] if fmt == "preference" else []  # what became of each pair (preference.documents)
+        fitted, said = sum(1 for n in notes if n and n.startswith("cut")), preference.counted(notes)
+        if fmt == "preference" and len(rows) and all(n and not n.startswith("cut") for n in notes):
+            fail(f"no pair of dataset {args.dataset} ({name} split) can be trained on: {said}")
         batches = _record_batches(docs, ["ids", "loss", "error"])
         del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
         cut = write_split(_checked(batches, f"dataset {args.dataset} ({name} split)"), args.block_size, args.packing,
                            partial / name, pairs=fmt == "preference")
-        meta[name] = {"rows": len(rows), "cut": cut + fitted}
+        meta[name] = {"rows": len(rows), "cut": cut + fitted, **({"pairs": said} if fmt == "preference" else {})}
     meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows
     (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     try:

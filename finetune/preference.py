@@ -9,8 +9,9 @@ A pair is one document of the prepared files: the chosen sequence, then the reje
 its own, so packing places pairs whole and every micro-batch holds whole pairs. With isolated packing the rejected
 sequence holds only the prompt's last token and its answer, and attends to the rest of the prompt where the chosen
 sequence holds it (pair_document): the prompt is computed once. A sequence's log-probability is the sum over its
-answer's tokens (the loss mask). A pair longer than the block loses the prompt's beginning (down to one token), then
-the answers' ends (the longer first): the count is said.
+answer's tokens (the loss mask). A pair longer than the block loses the answers' ends first (the longer first, as TRL
+cuts a sequence at its end), then, with the answers at a floor, the prompt's middle (its start and its end kept);
+one that cannot fit even so is dropped, one with nothing to prefer skipped: each counted and said at start (fit).
 """
 import time
 
@@ -37,7 +38,7 @@ def split_prompt(row):
     """(prompt, chosen, rejected) of a row, with an implicit prompt taken as the answers' shared beginning (whole
     turns of a conversation; for text, up to the space before the first character that differs); or an error."""
     chosen, rejected = row["chosen"], row["rejected"]
-    if "prompt" in row:
+    if row.get("prompt") is not None:  # (a file that gives some rows a prompt gives the others None)
         return row["prompt"], chosen, rejected, None
     if isinstance(chosen, str) and isinstance(rejected, str):
         shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
@@ -87,24 +88,41 @@ def prompt_length(chosen, rejected):
     return next((i for i, (x, y) in enumerate(zip(c, r)) if x != y or cm[i] or rm[i]), min(len(c), len(r)))
 
 
-def fit(chosen, rejected, block_size, share=False):
-    """The pair's two (ids, mask) cut to fit a block together, by the rule above: (chosen, rejected, cut?). `share`:
-    the pair document holds the prompt once and its last token twice (pair_document), else the prompt twice."""
+ANSWER_FLOOR = 16  # tokens of each answer kept at least (all of a shorter one) before the prompt is cut
+PROMPT_HEAD = 16  # the prompt's first tokens (the BOS, a system turn's start), never cut
+
+
+def fit(chosen, rejected, block_size, layout="shared"):
+    """The pair's two (ids, mask) cut to fit, and how: (chosen, rejected, None) whole; (..., "answers") the answers'
+    ends cut, the longer first, as TRL cuts a sequence at its end; (..., "prompt") the answers cut to ANSWER_FLOOR
+    tokens and the prompt's middle cut (its first PROMPT_HEAD tokens and its end, the question and the turn's
+    header, kept); (None, None, "dropped") when not even that fits. layout: "shared" (isolated packing: one row, the
+    prompt once and its last token twice, pair_document) or "rows" (--packing none: each sequence its own row)."""
     (c, cm), (r, rm) = chosen, rejected
-    shared = prompt_length(chosen, rejected)
-    cost = (lambda p: p + min(p, 1)) if share else (lambda p: 2 * p)  # the block's tokens a prompt of p takes
-    a, b = len(c) - shared, len(r) - shared
-    if cost(shared) + a + b <= block_size:
-        return chosen, rejected, False
-    over = cost(shared) + a + b - block_size
-    drop = min(over if share else -(-over // 2), max(0, shared - 1))  # the prompt's beginning, down to one token
-    prompt = shared - drop
-    room = block_size - cost(prompt)  # for the two answers
-    if a + b > room:  # the longer answer loses its end first
-        a = min(a, max(-(-room // 2), room - b))
-        b = room - a
-    keep = lambda ids, mask, n: (ids[drop:drop + prompt + n], mask[drop:drop + prompt + n])
-    return keep(c, cm, max(a, 0)), keep(r, rm, max(b, 0)), True
+    p = prompt_length(chosen, rejected)
+    a, b = len(c) - p, len(r) - p
+
+    def answers_beside(n):  # the most each answer keeps beside a prompt of n tokens, the longer cut first
+        if layout == "rows":
+            return min(a, block_size - n), min(b, block_size - n)
+        room = block_size - n - min(n, 1)
+        longer = min(a, max(-(-room // 2), room - b))
+        return longer, min(b, room - longer)
+
+    def keep(ids, mask, head, tail, n):  # the prompt's first `head` and last `tail` tokens, then n of the answer
+        return ids[:head] + ids[p - tail:p + n], mask[:head] + mask[p - tail:p + n]
+
+    if answers_beside(p) == (a, b):
+        return chosen, rejected, None
+    floor_a, floor_b = min(a, ANSWER_FLOOR), min(b, ANSWER_FLOOR)
+    a2, b2 = answers_beside(p)
+    if a2 >= floor_a and b2 >= floor_b:
+        return keep(c, cm, p, 0, a2), keep(r, rm, p, 0, b2), "answers"
+    n = block_size - max(floor_a, floor_b) if layout == "rows" else block_size - floor_a - floor_b - 1
+    head = min(PROMPT_HEAD, p - 1)
+    if p < 2 or n < head + 1:  # not even the prompt's head, its last token and a floor of each answer
+        return None, None, "dropped"
+    return keep(c, cm, head, n - head, floor_a), keep(r, rm, head, n - head, floor_b), "prompt"
 
 
 def pair_document(chosen, rejected, share):
@@ -119,29 +137,51 @@ def pair_document(chosen, rejected, share):
 
 
 def documents(rows, tokenizer, block_size, chat_document, share=False):
-    """The pair documents of these rows: ids, loss flags (1: predicted; 2: the rejected sequence starts here; 4: the
-    rejected sequence attends to this prompt token too), errors, and whether each was cut to fit."""
-    ids, loss, errors, cut = [], [], [], []
+    """The pair documents of these rows: ids and loss flags (1: predicted; 2: the rejected sequence starts here; 4:
+    the rejected sequence attends to this prompt token too), empty for a pair left out; and what became of each:
+    None (whole), "cut answers", "cut prompt", "dropped: ..." (too long even cut) or "skipped: ..." (no pair to
+    learn from: an empty answer, two the same; public preference sets hold such rows), counted and said at start."""
+    ids, loss, notes = [], [], []
     for row in rows:
         prompt, chosen, rejected, error = split_prompt(row)
         error = error or row_error(prompt, chosen, rejected)
-        pair, was_cut = None, False
+        pair, note = None, f"skipped: {error}" if error else None
         if error is None:
             try:
                 c, r = (sequence(tokenizer, prompt, answer, chat_document) for answer in (chosen, rejected))
-                c, r, was_cut = fit(c, r, block_size, share)
-                if not any(c[1][1:]) or not any(r[1][1:]):
-                    error = (f"the pair does not fit --block-size {block_size} with a token of each answer: "
-                             f"raise --block-size")
+                c, r, how = fit(c, r, block_size, "shared" if share else "rows")
+                if how == "dropped":
+                    note = f"dropped: longer than --block-size {block_size} with {PROMPT_HEAD} prompt tokens and " \
+                           f"{ANSWER_FLOOR} of each answer"
+                elif c == r:
+                    note = "skipped: the answers tokenize the same"
                 else:
-                    pair = pair_document(c, r, share)
+                    pair, note = pair_document(c, r, share), how and f"cut {how}"
             except ValueError as e:
-                error = str(e)
+                note = f"skipped: {e}"
         ids.append(pair[0] if pair else [])
         loss.append(pair[1] if pair else [])
-        errors.append(error)
-        cut.append(was_cut)
-    return ids, loss, errors, cut
+        notes.append(note)
+    return ids, loss, notes
+
+
+def counted(notes):
+    """'3 pairs cut (2 answers' ends, 1 prompt's middle too); 1 dropped (...); 2 skipped (...)' from documents'
+    notes, or ''."""
+    import collections
+    kinds = collections.Counter(n.split(":")[0] for n in notes if n)
+
+    def reasons(kind):  # the two most frequent, each with its count where there are several
+        found = collections.Counter(x.split(": ", 1)[1] for x in notes if x and x.startswith(kind)).most_common()
+        return found[0][0] if len(found) == 1 else "; ".join(f"{n}: {why}" for why, n in found[:2])
+    parts = []
+    if kinds["cut answers"] + kinds["cut prompt"]:
+        parts.append(f"{kinds['cut answers'] + kinds['cut prompt']} pairs cut to fit a block ({kinds['cut answers']} "
+                     f"the answers' ends, {kinds['cut prompt']} the prompt's middle too)")
+    for kind in ("dropped", "skipped"):
+        if kinds[kind]:
+            parts.append(f"{kinds[kind]} {kind} ({reasons(kind)})")
+    return "; ".join(parts)
 
 
 def examples_prompt(row):

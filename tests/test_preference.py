@@ -3,6 +3,7 @@ loss and its gradient against the DPO formula computed with stock transformers i
 0-3 (and LoRA under ZeRO-3) on 2 ranks = one process; resume exact, from the reference kept with the run."""
 import argparse
 import json
+import re
 import math
 import shutil
 
@@ -115,25 +116,55 @@ def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs)
 
 
 @pytest.mark.quick
-def test_a_pair_longer_than_the_block_loses_the_prompts_beginning_then_the_answers_ends():
+def test_a_pair_longer_than_the_block_loses_the_answers_ends_then_the_prompts_middle(monkeypatch):
+    """TRL's order, and better: the answers' ends first (the longer first), down to a floor of each; then the
+    prompt's middle, its head (the BOS, a system turn) and its end (the question) kept; a pair that does not fit even
+    so is dropped. Packed (one row) the prompt is held once and its last token twice; with --packing none each
+    sequence is a row of its own. (Floor and head of 2 tokens here: 16 in use.)"""
+    monkeypatch.setattr(preference, "ANSWER_FLOOR", 2)
+    monkeypatch.setattr(preference, "PROMPT_HEAD", 2)
     seq = lambda prompt, answer: (list(range(prompt)) + [100 + i for i in range(answer)], [0] * prompt + [1] * answer)
     c, r = seq(10, 4), (list(range(10)) + [200, 201], [0] * 10 + [1, 1])
-    assert preference.fit(c, r, 30) == (c, r, False)
-    (c2, cm2), (r2, rm2), cut = preference.fit(c, r, 20)  # 26 tokens: 3 of the prompt's first go from each
-    assert cut and c2 == list(range(3, 10)) + [100, 101, 102, 103] and r2 == list(range(3, 10)) + [200, 201]
-    assert cm2 == [0] * 7 + [1] * 4 and rm2 == [0] * 7 + [1] * 2
-    (c3, _), (r3, _), _ = preference.fit(c, r, 6)  # one prompt token left; 4 for the answers: the longer gives
-    assert c3 == [9, 100, 101] and r3 == [9, 200, 201]
-    (c4, _), (r4, _), _ = preference.fit(seq(10, 9), seq(10, 1), 8)  # 6 for the answers: 5 + the shorter's 1
-    assert c4 == [9, 100, 101, 102, 103, 104] and r4 == [9, 100]
-    # packed, the pair holds its prompt once and the prompt's last token twice: 10 + 1 + 4 + 2 tokens
-    assert preference.fit(c, r, 17, share=True) == (c, r, False)
-    (c5, _), (r5, _), cut = preference.fit(c, r, 14, share=True)  # 3 of the prompt's first go
-    assert cut and c5 == c2 and r5 == r2
-    (c6, _), (r6, _), _ = preference.fit(c, r, 6, share=True)  # down to one prompt token: held twice either way
-    assert c6 == c3 and r6 == r3
+    prompt = list(range(10))
+    # one row: 10 + 1 + 4 + 2 = 17 tokens
+    assert preference.fit(c, r, 17, "shared") == (c, r, None)
+    (c2, cm2), (r2, rm2), how = preference.fit(c, r, 16, "shared")  # 5 for the answers: the longer gives one
+    assert how == "answers" and c2 == prompt + [100, 101, 102] and r2 == prompt + [200, 201]
+    assert cm2 == [0] * 10 + [1] * 3 and rm2 == [0] * 10 + [1] * 2
+    (c3, cm3), (r3, _), how = preference.fit(c, r, 10, "shared")  # answers at their floor, 5 of the prompt left
+    assert how == "prompt" and c3 == [0, 1, 7, 8, 9, 100, 101] and r3 == [0, 1, 7, 8, 9, 200, 201]
+    assert cm3 == [0] * 5 + [1] * 2
+    assert preference.fit(c, r, 6, "shared") == (None, None, "dropped")  # not the head, a last token, 2 + 2
+    # rows apart: each row 10 + its answer
+    assert preference.fit(c, r, 14, "rows") == (c, r, None)
+    (c4, _), (r4, _), how = preference.fit(c, r, 12, "rows")
+    assert how == "answers" and c4 == prompt + [100, 101] and r4 == r[0]
+    (c5, _), (r5, _), how = preference.fit(c, r, 8, "rows")
+    assert how == "prompt" and c5 == [0, 1, 6, 7, 8, 9, 100, 101] and r5 == [0, 1, 6, 7, 8, 9, 200, 201]
+    assert preference.fit(c, r, 4, "rows") == (None, None, "dropped")
     assert preference.pair_document(c, r, True) == (c[0] + [9, 200, 201], [4] * 9 + [0] + [1] * 4 + [2, 1, 1])
     assert preference.pair_document(c, r, False) == (c[0] + r[0], c[1] + [2] + r[1][1:])  # --packing none
+
+
+@pytest.mark.quick
+def test_long_prompts_keep_their_first_tokens(pairs, tmp_path):
+    """The issue's case: 300-token prompts and 300-token answers at --block-size 512: every prompt whole, the answers
+    cut (the old rule kept 1 prompt token of each, and the model learned answers to nothing)."""
+    tok = pairs["tokenizer"]
+    prompts = [f"Q{i} " + " ".join(["the"] * 299) for i in range(8)]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "chosen": " was" * 300, "rejected": " good" * 300}) + "\n"
+                            for p in prompts))
+    whole = {tuple(tok(p)["input_ids"]) for p in prompts}
+    for packing in ("isolated", "none"):
+        train = data.prepare(data_args(path, block_size=512, packing=packing, eval_dataset=str(path)), tok)[0]
+        assert "8 pairs cut to fit a block (8 the answers' ends, 0 the prompt's middle too)" in train.describe(packing)
+        found = sequences(train)
+        assert len(found) == 8
+        for chosen, chosen_flags, rejected, _ in found:
+            prompt = tuple(t for t, f in zip(chosen, chosen_flags) if not f)
+            assert prompt in whole and rejected[:len(prompt)] == list(prompt)
+            assert len(chosen) - len(prompt) >= preference.ANSWER_FLOOR
 
 
 @pytest.mark.quick
@@ -163,21 +194,39 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
 
 @pytest.mark.quick
 @pytest.mark.parametrize("rows, flags, message", [
-    ([{"prompt": "a", "chosen": "", "rejected": " b"}], {}, "row 0: the chosen answer is empty"),
-    ([{"prompt": "a", "chosen": " b", "rejected": " b"}], {}, "chosen and rejected are the same"),
+    ([{"prompt": "a", "chosen": "", "rejected": " b"}], {}, "can be trained on: 7 skipped (the chosen answer is empty)"),
+    ([{"prompt": "a", "chosen": " b", "rejected": " b"}], {}, "7 skipped (chosen and rejected are the same"),
     ([{"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
        "rejected": [{"role": "user", "content": "c"}]}], {}, "the last turn of rejected is the user's"),
     ([{"chosen": "The answer is 4", "rejected": 5}], {}, "not both strings or both lists"),
-    ([{"prompt": "a long prompt here", "chosen": " b", "rejected": " c"}], {"block_size": 3}, "does not fit"),
+    ([{"prompt": "a long prompt here", "chosen": " b", "rejected": " c"}], {"block_size": 3},
+     "7 dropped (longer than --block-size 3 with 16 prompt tokens and 16 of each answer)"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"packing": "stream"}, "drop --packing stream"),
 ])
-def test_bad_pairs_are_one_line_and_nothing_is_prepared(pairs, tmp_path, rows, flags, message):
+def test_a_file_with_no_usable_pair_is_one_line_and_nothing_is_prepared(pairs, tmp_path, rows, flags, message):
+    """A bad pair is skipped and counted (next test); a file where no pair can be trained on is one line."""
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 8))
     before = set(data.CACHE.iterdir()) if data.CACHE.exists() else set()
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
         data.prepare(data_args(path, **flags), pairs["tokenizer"])
     assert {p for p in data.CACHE.iterdir() if not p.name.endswith(".failed")} <= before
+
+
+@pytest.mark.quick
+def test_bad_pairs_are_skipped_and_counted_and_the_rest_train(pairs, tmp_path):
+    """Public preference sets hold rows with an empty answer, two the same, or one a prefix of the other (an implicit
+    prompt then leaves one answer empty): skipped and said at start, the others prepared (before: the whole run
+    stopped on the first)."""
+    good = [json.loads(line) for line in open(pairs["strings"])][:8]
+    bad = [{"prompt": "a", "chosen": "", "rejected": " b"}, {"prompt": "a", "chosen": " b", "rejected": " b"},
+           {"chosen": "The answer is 4", "rejected": "The answer is 4 or 5"}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
+    train = data.prepare(data_args(path, eval_dataset=str(pairs["strings"])), pairs["tokenizer"])[0]
+    assert train.pairs_total == 8
+    assert "; 3 skipped (2: the chosen answer is empty; 1: chosen and rejected are the same" in train.describe(
+        "isolated")
 
 
 @pytest.mark.quick
