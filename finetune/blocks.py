@@ -126,6 +126,7 @@ class Blocks:
         self.starts, self.lengths, self.predicted, self.attended = (table[:, i] for i in range(4))
         self.format, self.examples, self.cut = meta["format"], meta.get("examples", []), meta[folder.name]["cut"]
         self.pairs_said = meta[folder.name].get("pairs", "")  # preference pairs cut, dropped, skipped: counted
+        self.source = f"{folder.parent.name}/{folder.name}"  # the prepared data's key (data.py: its inputs' hash)
         self.pieces = np.load(folder / "pieces.npy") if self.format == "preference" else None  # pairs, block by block
         self.pairs_total = len(self.pieces) if self.pieces is not None else 0
         self.first_piece = np.cumsum(self.predicted) - self.predicted

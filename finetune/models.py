@@ -125,6 +125,11 @@ def prepare_model(model, args):
             model = get_peft_model(model, config)
         except ValueError as e:
             fail(f"--lora-targets {args.lora_targets}: {str(e).splitlines()[0][:200]}; name linear layers of the model")
+        head = model.get_output_embeddings()
+        if args.loss_chunk and hasattr(head, "lora_A") and not loss.postprocessed_logits(model.config):
+            fail(f"--lora-targets {args.lora_targets} puts an adapter on the output head, which the chunked loss "
+                 f"reads as its base weight (loss.py): the adapter would never train. Leave the head out of "
+                 f"--lora-targets, or pass --loss-chunk 0")
         if args.precision in hardware.AUTOCAST_DTYPES:
             # frozen weights: no fp32 master needed. Under ZeRO-3 the adapters too: DeepSpeed skips its 16-bit cast
             # for a model made under zero.Init and takes the run's dtype from the first trainable parameter

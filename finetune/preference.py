@@ -13,7 +13,9 @@ answer's tokens (the loss mask). A pair longer than the block loses the answers'
 cuts a sequence at its end), then, with the answers at a floor, the prompt's middle (its start and its end kept);
 one that cannot fit even so is dropped, one with nothing to prefer skipped: each counted and said at start (fit).
 """
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -208,7 +210,7 @@ def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0
     if getattr(args, "sequence_parallel", 1) > 1:
         fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
     without_dropout(model)
-    path, tensors = out / "reference.pt", None
+    path, tensors, made_of = out / "reference.pt", None, fingerprint(splits, args)
     if args.resume and rank == 0:  # a run that starts (an earlier run's file included) scores them anew
         if not path.exists():
             fail(f"{path} is missing, so the resumed run has no reference; start again with --overwrite")
@@ -216,6 +218,12 @@ def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0
         tensors = [saved[name] for name in ("train", "eval")]
         if any(len(t) != n for t, n in zip(tensors, (train.pairs_total, splits[1].pairs_total))):
             fail(f"{path} holds the reference of other data; start the run again with --overwrite")
+        was = json.loads(saved.get("made_of", "{}"))  # (a file written before it was kept: the counts only)
+        changed = [key for key in made_of if key in was and was[key] != made_of[key]]
+        if changed:
+            fail(f"{path} was scored with another {', '.join(REFERENCE_INPUTS[k] for k in changed)} than this run's: "
+                 f"its log-probabilities would be wrong. Resume with the run's own flags, or start again with "
+                 f"--overwrite")
     has = torch.tensor([int(tensors is not None)], device=device)
     if world_size > 1:
         torch.distributed.broadcast(has, 0)
@@ -231,12 +239,25 @@ def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0
         tensors = [_scores(model, s, args, pad_id, device, config, autocast, rank, world_size) for s in splits]
         if rank == 0:
             tmp = path.with_name(".tmp-reference.pt")
-            torch.save({"train": tensors[0], "eval": tensors[1]}, tmp)
+            torch.save({"train": tensors[0], "eval": tensors[1], "made_of": json.dumps(made_of)}, tmp)
             tmp.replace(path)
         say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once in "
             f"{time.perf_counter() - started:.1f} s, kept in {path}")
     for split, scores in zip(splits, tensors):
         split.reference, split.beta = scores.float(), args.beta
+
+
+REFERENCE_INPUTS = {"pairs": "dataset, rows or cut (--dataset, --eval-dataset, --block-size, --packing, ...)",
+                    "model": "--model", "lora_rank": "--lora-rank", "base": "quantized base", "precision": "--precision"}
+
+
+def fingerprint(splits, args):
+    """What the reference's log-probabilities depend on, kept beside them: the prepared pairs (their cache key: the
+    dataset, its rows, the block size and packing that cut them), the model (its folder's name), the adapters'
+    base (LoRA scores the base; 4 or 8 bits round it) and the precision it ran in."""
+    bits = "4bit" if getattr(args, "load_in_4bit", False) else "8bit" if getattr(args, "load_in_8bit", False) else ""
+    return {"pairs": [s.source for s in splits], "model": Path(str(args.model)).name, "lora_rank": args.lora_rank,
+            "base": bits, "precision": args.precision}
 
 
 def without_dropout(model):

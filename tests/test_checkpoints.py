@@ -313,6 +313,10 @@ BAD = [
     ("DeepSpeed JSON with stage 7", lambda t, p: {"--deepspeed_config": ds_file(p, {"stage": 7})},
      "zero_optimization.stage: Input should be 0, 1, 2, 3"),
     ("checkpoint pointer to a missing folder", "pointer", "which is missing; point it at a step-N folder"),
+    ("LoRA on the output head under the chunked loss", lambda t, p: {"--lora-rank": 4, "--lora-targets":
+                                                                     "q_proj,lm_head"},
+     "--lora-targets q_proj,lm_head puts an adapter on the output head, which the chunked loss reads as its base "
+     "weight (loss.py): the adapter would never train. Leave the head out of --lora-targets, or pass --loss-chunk 0"),
 ]
 
 

@@ -378,6 +378,14 @@ def test_resume_reads_the_kept_reference_and_continues_exactly(pairs, one_proces
     assert a["losses"] == b["losses"] and a["rewards/margins"] == b["rewards/margins"]
     assert_same_weights(weights(whole / "final"), weights(out / "final"), atol=0)
     crash_after_first_checkpoint(out)
+    # the reference is fingerprinted: a resume whose inputs would score it otherwise refuses (the counts agree here)
+    with pytest.raises(SystemExit, match=r"reference.pt was scored with another --precision than this run's: its "
+                                         r"log-probabilities would be wrong"):
+        single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--resume": None, "--precision": "bf16"}) + ["--resume"])
+    made_of = json.loads(torch.load(out / "reference.pt")["made_of"])
+    key = made_of["pairs"][0].split("/")[0]  # the prepared data's key: its cache folder
+    assert made_of == {"pairs": [f"{key}/train", f"{key}/eval"], "model": "model", "lora_rank": 0, "base": "",
+                       "precision": "fp32"} and (data.CACHE / key).is_dir()
     (out / "reference.pt").unlink()
     with pytest.raises(SystemExit, match="reference.pt is missing"):
         single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--resume": None}) + ["--resume"])
