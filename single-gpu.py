@@ -55,7 +55,7 @@ def parse_args(argv=None):
     # train (To-Do: the largest --batch-size that fits, then --grad-accum for the global batch you want; --lr)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", type=float, help="peak learning rate (default 5e-5; preference pairs 1e-6, with LoRA 5e-6)")
     p.add_argument("--beta", type=float, default=0.1, help="preference pairs (DPO): how far from the reference the "
                                                            "model may move (lower: further)")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -106,6 +106,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data
     tokenizer = models.load_tokenizer(args.model, **remote)
     train, evals = data.prepare(args, tokenizer, local_rank)  # tokenized and packed once per node, then mapped
+    args.lr = preference.learning_rate(args.lr, train.format, args.lora_rank)  # To-Do: --lr (its default: the data's)
     global_batch = args.batch_size * args.grad_accum * world_size  # sequences per optimizer step
     batches = training.GlobalBatches(len(train), global_batch, args.seed)
     if batches.steps_per_epoch == 0:
@@ -138,7 +139,7 @@ def main(argv=None):
                              rank, world_size, say)
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(args.packing)} | {total_steps} steps of {global_batch} sequences "
-        f"({training.split(args, world_size)}) | {args.precision} | {device}")
+        f"({training.split(args, world_size)}) | lr {args.lr:g} | {args.precision} | {device}")
     model.train()
     scale = scaler.get_scale()  # fp16's loss scale, as the last update left it (1.0 without fp16)
     bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps,

@@ -294,3 +294,18 @@ def _scores(model, blocks, args, pad_id, device, config, autocast, rank, world_s
     if world_size > 1:
         torch.distributed.all_reduce(scores)
     return scores.cpu()
+
+
+LEARNING_RATES = {"text": 5e-5, "preference": 1e-6, "preference+lora": 5e-6}  # --lr's defaults (learning_rate)
+
+
+def learning_rate(lr, data_format, lora_rank):
+    """--lr, or its default for the data: 5e-5 for supervised fine-tuning; for preference pairs (DPO) TRL's DPOConfig
+    default, 1e-6 (full fine-tuning DPO runs from 5e-7 to 5e-6: 5e-5 would move a model 50 times too far for a
+    user who only changed the data's format), and 5e-6 with LoRA, whose scaled low-rank updates take a larger
+    rate (docs/preference.md)."""
+    if lr is not None:
+        return lr
+    if data_format == "preference":
+        return LEARNING_RATES["preference+lora" if lora_rank else "preference"]
+    return LEARNING_RATES["text"]

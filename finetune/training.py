@@ -55,7 +55,7 @@ def _without_print(build):
 
 def check_args(args, max_positions):
     for flag in ("lr", "batch_size", "grad_accum", "block_size", "log_every"):
-        if getattr(args, flag) <= 0:
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     for flag in ("save_every", "keep_checkpoints", "max_train_samples", "num_proc", "loss_chunk", "lora_rank",
                  "eval_every", "max_eval_samples"):

@@ -202,6 +202,7 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
     ([{"prompt": "a long prompt here", "chosen": " b", "rejected": " c"}], {"block_size": 3},
      "7 dropped (longer than --block-size 3 with 16 prompt tokens and 16 of each answer)"),
     ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"packing": "stream"}, "drop --packing stream"),
+    ([{"prompt": "a", "chosen": " b"}], {}, "'rejected'"),  # a column missing
 ])
 def test_a_file_with_no_usable_pair_is_one_line_and_nothing_is_prepared(pairs, tmp_path, rows, flags, message):
     """A bad pair is skipped and counted (next test); a file where no pair can be trained on is one line."""
@@ -227,14 +228,6 @@ def test_bad_pairs_are_skipped_and_counted_and_the_rest_train(pairs, tmp_path):
     assert train.pairs_total == 8
     assert "; 3 skipped (2: the chosen answer is empty; 1: chosen and rejected are the same" in train.describe(
         "isolated")
-
-
-@pytest.mark.quick
-def test_a_missing_column_is_one_line(pairs, tmp_path):
-    path = tmp_path / "half.jsonl"
-    path.write_text("".join(json.dumps({"prompt": "a", "chosen": " b"}) + "\n" for _ in range(8)))
-    with pytest.raises(SystemExit, match="'rejected'"):
-        data.prepare(data_args(path), pairs["tokenizer"])
 
 
 @pytest.mark.quick
@@ -444,3 +437,12 @@ def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process
     assert_resumed(out)
     assert results(out)["losses"] == results(whole)["losses"]
     assert results(out)["rewards/margins"] == results(whole)["rewards/margins"]
+
+
+def test_pairs_take_a_dpo_learning_rate_unless_one_is_given(pairs, tmp_path, capsys):
+    """--lr's default is the data's (TRL's DPO default for pairs, 5e-6 with LoRA); the start line says which."""
+    cases = [(None, "preference", 0), (None, "preference", 16), (None, "messages", 0), (None, "text", 16),
+             (3e-4, "preference", 0)]
+    assert [preference.learning_rate(*case) for case in cases] == [1e-6, 5e-6, 5e-5, 5e-5, 3e-4]
+    single.main(dpo_args(pairs, tmp_path / "run", **{"--lr": None, "--max-steps": 1, "--save-every": 0}))
+    assert " | lr 1e-06 | fp32 | cpu" in capsys.readouterr().out

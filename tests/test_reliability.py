@@ -59,8 +59,12 @@ def group_alive(pgid):
 
 
 def stop_everything(launcher):
-    for child in psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []:
-        child.kill()
+    children = []
+    with contextlib.suppress(psutil.NoSuchProcess):  # any of them may end between the listing and the kill
+        children = psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     launcher.kill()
 
 
