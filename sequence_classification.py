@@ -10,6 +10,7 @@ Places to tune are marked `To-Do:`.
 """
 import argparse
 import contextlib
+import logging
 import os
 import shutil
 import time
@@ -17,6 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+# importing the Trainer imports bitsandbytes, whose CPU backend warns on every rank that an optional package of hub
+# kernels is missing (it runs its own); before training.quiet can, and whatever --verbose says: not ours to show
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -239,7 +244,7 @@ def main(argv=None):
     resume = check_trainer_resume(out / "checkpoints", world_size, args.deepspeed, rank) if args.resume else None
     if resume:
         say(f"resuming from {resume.name}")
-    timeout = distributed.collective_settings(args)  # before any process group: the bound on every collective
+    timeout = distributed.collective_settings(args.dist_timeout, args.output_dir)  # before any process group: the bound on every collective
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         deepspeed.init_distributed(timeout=timeout)
     stop = StopOnSignal(checkpoints.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75

@@ -39,16 +39,13 @@ def worker(dataset, local_rank):
     import numpy as np
     import torch
 
-    from finetune import data, demo
+    from finetune import data, demo, flags
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo.assets()["lm"])
-    args = argparse.Namespace(dataset=str(dataset), dataset_config=None, seed=0, max_train_samples=0, block_size=256,
-                              packing="isolated", train_on_prompt=False, text_column=None, prompt_column=None,
-                              completion_column=None, messages_column=None, num_proc=0, model="demo",
-                              eval_dataset=None, eval_fraction=0.05, max_eval_samples=0)
+    settings = flags.defaults(dataset=str(dataset), seed=0, block_size=256, max_eval_samples=0).data
     start = time.perf_counter()
-    train, _ = data.prepare(args, tokenizer, local_rank)
+    train, _ = data.prepare(settings, tokenizer, local_rank)
     prepared = time.perf_counter() - start
     order = np.random.default_rng(local_rank).permutation(len(train))
     for k in range(50):

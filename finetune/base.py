@@ -16,3 +16,4 @@ def write_json(path, data):
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
+

@@ -271,3 +271,11 @@ def attention_layout(implementation):
     if implementation and "flash" in implementation:  # flash_attention_2/3, and the hub's kernels of it
         return "varlen"
     return "additive" if implementation == "eager" else "bool"
+
+
+def rank_batches(count, batch_size, rank, world_size):
+    """This rank's blocks for each pass over `count` blocks in order: the same number of passes on every rank (a
+    collective each under ZeRO-3), the last ones short or empty."""
+    per_pass = batch_size * world_size
+    for start in range(0, count, per_pass):
+        yield torch.arange(start, min(start + per_pass, count))[rank * batch_size:(rank + 1) * batch_size]

@@ -52,10 +52,11 @@ def prepare_output_dir(path, overwrite, resume, rank):
     return out
 
 
-def resume_folder(out, args, world_size, zero_stage=None):
+def resume_folder(out, train, model, world_size, sequence_parallel=1, zero_stage=None):
     """The newest complete checkpoint (`checkpoints/latest` only ever names one), and what it was written with (its
     run.json). The batch order is a function of the step and the global batch, so a resume that changes the global
-    batch would train on other data: refused; and a change of ZeRO stage (each lays its files out differently)."""
+    batch would train on other data: refused; and a change of ZeRO stage (each lays its files out differently), of the
+    adapters or of their base. `train`, `model`: flags.Train, flags.Model."""
     root = Path(out) / "checkpoints"
     try:
         tag = (root / "latest").read_text().strip()
@@ -68,15 +69,15 @@ def resume_folder(out, args, world_size, zero_stage=None):
         saved = json.loads((folder / "run.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         fail(f"--resume: {folder} has no readable run.json (written by an older version?); start over with --overwrite")
-    replicas = world_size // getattr(args, "sequence_parallel", 1)  # with sequence parallelism, groups of ranks
-    want, per_micro_step = saved["global_batch_size"], args.batch_size * replicas
-    if args.batch_size * args.grad_accum * replicas != want:
+    replicas = world_size // sequence_parallel  # with sequence parallelism, groups of ranks
+    want, per_micro_step = saved["global_batch_size"], train.batch_size * replicas
+    if train.batch_size * train.grad_accum * replicas != want:
         hint = (f"--grad-accum {want // per_micro_step}" if want % per_micro_step == 0
                 else "--batch-size and --grad-accum")
         unit = "ranks" if replicas == world_size else "replicas"
         fail(f"--resume: {folder} trained on global batches of {want} sequences and this run makes "
-             f"{args.batch_size} x {args.grad_accum} micro-steps x {replicas} {unit} = "
-             f"{args.batch_size * args.grad_accum * replicas}; pass {hint} to make {want}, or the steps would see "
+             f"{train.batch_size} x {train.grad_accum} micro-steps x {replicas} {unit} = "
+             f"{train.batch_size * train.grad_accum * replicas}; pass {hint} to make {want}, or the steps would see "
              f"other data")
     problem = damage(folder, saved)
     if problem:
@@ -89,13 +90,13 @@ def resume_folder(out, args, world_size, zero_stage=None):
     if zero_stage is not None and saved.get("zero_stage") != zero_stage:
         fail(f"--resume: {folder} was written with ZeRO stage {saved.get('zero_stage')} and this run has stage "
              f"{zero_stage}; resume with --zero-stage {saved.get('zero_stage')} (another number of ranks is fine)")
-    if saved.get("lora_rank", 0) != args.lora_rank:
+    if saved.get("lora_rank", 0) != model.lora_rank:
         fail(f"--resume: {folder} was written with --lora-rank {saved.get('lora_rank', 0)}; resume with it")
     base = lambda a: "--load-in-4bit" if a.get("load_in_4bit") else "--load-in-8bit" if a.get("load_in_8bit") else None
     written = base(saved.get("args", {}))
-    if written != base(vars(args)):  # the adapters trained over that base, rounded as it was
+    if written != base(vars(model)):  # the adapters trained over that base, rounded as it was
         fail(f"--resume: {folder} was written with {written}; resume with it" if written else
-             f"--resume: {folder} was written over an unquantized base; resume without {base(vars(args))}")
+             f"--resume: {folder} was written over an unquantized base; resume without {base(vars(model))}")
     return folder, saved
 
 
@@ -207,13 +208,13 @@ def best(root):
     return min(scored)[2] if scored else None
 
 
-def load_best(model, out, stats, args, world_size, say):
+def load_best(model, out, stats, final, world_size, say):
     """--final best: load the checkpoint with the lowest eval loss (the earliest of equals; the one publish keeps)
     before the export, unless the model in memory, the last step's, is as good. Rank 0 reads the folder and the
     others take its choice (a shared file system may show them a rename late). Under DeepSpeed every rank loads its
-    shards (a collective), as on a resume."""
+    shards (a collective), as on a resume. `final`: --final."""
     stats.final_step = stats.step
-    if args.final != "best":
+    if final != "best":
         return
     choice = [None]  # (step, eval loss, the number of ranks that wrote it)
     folder = best(Path(out) / "checkpoints") if stats.rank == 0 else None
@@ -315,9 +316,10 @@ class Stop:
         raise SystemExit(STOPPED)
 
 
-def run_record(step, args, global_batch, world_size, model, stats):
+def run_record(step, config, global_batch, world_size, model, stats):
     """run.json beside each checkpoint: what a resume checks, the run's arguments, the code's version, and the eval
-    loss at this step when it was evaluated (what --keep-checkpoints keeps the best by)."""
+    loss at this step when it was evaluated (what --keep-checkpoints keeps the best by). `config`: the run's Config
+    (flags.py), whose values --config FILE replays."""
     try:
         code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
@@ -325,7 +327,7 @@ def run_record(step, args, global_batch, world_size, model, stats):
         code = None
     stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
     return {"step": step, "global_batch_size": global_batch, "world_size": world_size, "zero_stage": stage,
-            "lora_rank": args.lora_rank, "eval_loss": dict(stats.evals).get(step), "args": vars(args),
+            "lora_rank": config.model.lora_rank, "eval_loss": dict(stats.evals).get(step), "args": config.flat(),
             "code_version": code}
 
 

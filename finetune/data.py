@@ -96,26 +96,26 @@ def _load(name, config_name):
              f"pass a local file")
 
 
-def find_format(columns, args):
+def find_format(columns, data):
     """(format, {role: column}) from the flags, or else from the column names."""
-    named = args.text_column or args.prompt_column or args.completion_column or args.messages_column
+    named = data.text_column or data.prompt_column or data.completion_column or data.messages_column
     if not named and {"chosen", "rejected"} & set(columns):  # preference pairs, for DPO
         missing = {"chosen", "rejected"} - set(columns)
         if missing:
-            fail(f"dataset {args.dataset} has a column {({'chosen', 'rejected'} - missing).pop()!r} but no "
+            fail(f"dataset {data.dataset} has a column {({'chosen', 'rejected'} - missing).pop()!r} but no "
                  f"{missing.pop()!r}: preference pairs need both (it has {', '.join(columns)})")
         return "preference", {c: c for c in preference.COLUMNS if c in columns}
-    if args.messages_column or (not args.prompt_column and not args.text_column and "messages" in columns):
-        fmt, names = "messages", {"messages": args.messages_column or "messages"}
-    elif args.prompt_column or args.completion_column or (
-            not args.text_column and {"prompt", "completion"} <= set(columns)):
-        fmt, names = "prompt-completion", {"prompt": args.prompt_column or "prompt",
-                                           "completion": args.completion_column or "completion"}
+    if data.messages_column or (not data.prompt_column and not data.text_column and "messages" in columns):
+        fmt, names = "messages", {"messages": data.messages_column or "messages"}
+    elif data.prompt_column or data.completion_column or (
+            not data.text_column and {"prompt", "completion"} <= set(columns)):
+        fmt, names = "prompt-completion", {"prompt": data.prompt_column or "prompt",
+                                           "completion": data.completion_column or "completion"}
     else:
-        fmt, names = "text", {"text": args.text_column or "text"}
+        fmt, names = "text", {"text": data.text_column or "text"}
     missing = [c for c in names.values() if c not in columns]
     if missing:
-        fail(f"dataset {args.dataset} has no column {missing[0]!r} for the {fmt} format (it has {', '.join(columns)});"
+        fail(f"dataset {data.dataset} has no column {missing[0]!r} for the {fmt} format (it has {', '.join(columns)});"
              f" name yours with --text-column, --prompt-column and --completion-column, or --messages-column")
     return fmt, names
 
@@ -227,18 +227,18 @@ def _checked(batches, where):
         yield batch
 
 
-def prepare(args, tokenizer, local_rank=0):
+def prepare(data, tokenizer, local_rank=0):
     """The train and eval Blocks. Local rank 0 of each node tokenizes and packs them once into a cache keyed by the
     data, the tokenizer and the settings (a rerun or resume starts at once); the other ranks of the node wait for it
     (a wait on a file, not a collective: it does not time out on a large corpus), then every rank memory-maps the
-    files, whose pages the node's ranks share."""
-    folder, started = CACHE / cache_key(args, tokenizer), time.time()
+    files, whose pages the node's ranks share. `data`: flags.Data."""
+    folder, started = CACHE / cache_key(data, tokenizer), time.time()
     failed = folder.with_name(f"{folder.name}.failed")  # what local rank 0 could not prepare, for the others to say
     if local_rank == 0 and not (folder / "meta.json").exists():
         failed.unlink(missing_ok=True)
         partial = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")  # renamed to `folder` once complete
         try:
-            _prepare(args, tokenizer, folder, partial)
+            _prepare(data, tokenizer, folder, partial)
         except SystemExit as e:
             CACHE.mkdir(parents=True, exist_ok=True)
             failed.write_text(str(e))
@@ -255,44 +255,44 @@ def prepare(args, tokenizer, local_rank=0):
     return Blocks(folder / "train", meta), Blocks(folder / "eval", meta)
 
 
-def cache_key(args, tokenizer):
+def cache_key(data, tokenizer):
     """What the prepared blocks depend on: the data (a local file's size and time), the tokenizer (its vocabulary,
     special tokens and chat template) and every flag that changes the tokens or their loss."""
     h = hashlib.sha256()
-    path = Path(args.dataset)
+    path = Path(data.dataset)
     where = lambda p: [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [str(p)]
-    h.update(json.dumps([VERSION, where(path), args.dataset_config, args.max_train_samples, args.seed, args.block_size,
-                         args.packing, args.train_on_prompt, args.text_column, args.prompt_column,
-                         args.completion_column, args.messages_column, args.eval_fraction, args.max_eval_samples,
-                         where(Path(args.eval_dataset)) if args.eval_dataset else None]).encode())
+    h.update(json.dumps([VERSION, where(path), data.dataset_config, data.max_train_samples, data.seed, data.block_size,
+                         data.packing, data.train_on_prompt, data.text_column, data.prompt_column,
+                         data.completion_column, data.messages_column, data.eval_fraction, data.max_eval_samples,
+                         where(Path(data.eval_dataset)) if data.eval_dataset else None]).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else str(sorted(tokenizer.get_vocab().items()))).encode())
     h.update(json.dumps([tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token]).encode())
     return h.hexdigest()[:16]
 
 
-def _prepare(args, tokenizer, folder, partial):
+def _prepare(data, tokenizer, folder, partial):
     import datasets
 
     if tokenizer.eos_token_id is None:
         fail("the tokenizer has no EOS token; set tokenizer.eos_token before training")
-    train, evaluation = load_splits(args.dataset, args.dataset_config, args.seed, args.max_train_samples,
-                                    args.eval_fraction, args.eval_dataset, args.max_eval_samples)
-    fmt, names = find_format(train.column_names, args)
-    if args.eval_dataset:  # the same kind of data: the columns the training rows are read from
+    train, evaluation = load_splits(data.dataset, data.dataset_config, data.seed, data.max_train_samples,
+                                    data.eval_fraction, data.eval_dataset, data.max_eval_samples)
+    fmt, names = find_format(train.column_names, data)
+    if data.eval_dataset:  # the same kind of data: the columns the training rows are read from
         if not set(names.values()) <= set(evaluation.column_names):
-            fail(f"--eval-dataset {args.eval_dataset} has columns {', '.join(evaluation.column_names)} and the "
+            fail(f"--eval-dataset {data.eval_dataset} has columns {', '.join(evaluation.column_names)} and the "
                  f"training data is {fmt} in {', '.join(names.values())}; give the eval data the same columns")
     chat = fmt == "messages" or fmt == "preference" and isinstance(train[0]["chosen"], list)
-    if fmt == "preference" and (args.packing == "stream" or args.train_on_prompt):
+    if fmt == "preference" and (data.packing == "stream" or data.train_on_prompt):
         fail(f"preference pairs (DPO) are trained whole and on their answers: drop "
-             f"{'--packing stream' if args.packing == 'stream' else '--train-on-prompt'}")
+             f"{'--packing stream' if data.packing == 'stream' else '--train-on-prompt'}")
     if chat and not getattr(tokenizer, "is_fast", False):
-        fail(f"{args.model}'s tokenizer is not a fast one: the assistant's tokens are found through a fast "
+        fail(f"{tokenizer.name_or_path}'s tokenizer is not a fast one: the assistant's tokens are found through a fast "
              f"tokenizer's offsets")
     if chat and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    meta = {"format": fmt, "columns": names, "chat": chat, "packing": args.packing}
+    meta = {"format": fmt, "columns": names, "chat": chat, "packing": data.packing}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),
                                   "loss": datasets.Sequence(datasets.Value("uint8")),
@@ -300,7 +300,7 @@ def _prepare(args, tokenizer, folder, partial):
     for name, split in (("train", train), ("eval", evaluation)):
         (partial / name).mkdir(parents=True, exist_ok=True)
         rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
-        workers = min(args.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
+        workers = min(data.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
         if workers > 1:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (and no fork warning)
         quiet = datasets.are_progress_bars_disabled()
@@ -308,17 +308,17 @@ def _prepare(args, tokenizer, folder, partial):
             datasets.enable_progress_bars()
         docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
                         num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
-                        fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=args.train_on_prompt,
-                                       block_size=args.block_size, packing=args.packing))
+                        fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=data.train_on_prompt,
+                                       block_size=data.block_size, packing=data.packing))
         if quiet:  # as training.quiet had it
             datasets.disable_progress_bars()
         notes = docs["cut"] if fmt == "preference" else []  # what became of each pair (preference.documents)
         fitted, said = sum(1 for n in notes if n and n.startswith("cut")), preference.counted(notes)
         if fmt == "preference" and len(rows) and all(n and not n.startswith("cut") for n in notes):
-            fail(f"no pair of dataset {args.dataset} ({name} split) can be trained on: {said}")
+            fail(f"no pair of dataset {data.dataset} ({name} split) can be trained on: {said}")
         batches = _record_batches(docs, ["ids", "loss", "error"])
         del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
-        cut = write_split(_checked(batches, f"dataset {args.dataset} ({name} split)"), args.block_size, args.packing,
+        cut = write_split(_checked(batches, f"dataset {data.dataset} ({name} split)"), data.block_size, data.packing,
                            partial / name, pairs=fmt == "preference")
         meta[name] = {"rows": len(rows), "cut": cut + fitted, **({"pairs": said} if fmt == "preference" else {})}
     meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows

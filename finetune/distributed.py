@@ -119,7 +119,7 @@ def first_host(nodelist):
     return re.sub(r"\[([^\],-]+)[^\]]*\]", r"\1", first.group(1))
 
 
-def collective_settings(args):
+def collective_settings(dist_timeout, output_dir):
     """Before the process group is made: a bound on every collective, --dist-timeout, and torch's flight recorder
     on (hangs.py reads it when a rank stops). init_process_group's timeout covers only the world group; DeepSpeed
     builds its ZeRO groups with new_group(), which falls back to torch's module default (30 min on gloo, 10 on NCCL),
@@ -128,11 +128,11 @@ def collective_settings(args):
 
     from . import hangs
 
-    if args.dist_timeout < hangs.MIN_DIST_TIMEOUT:
+    if dist_timeout < hangs.MIN_DIST_TIMEOUT:
         fail(f"--dist-timeout must be at least {hangs.MIN_DIST_TIMEOUT} seconds (it bounds every collective, the "
-             f"rendezvous included), got {args.dist_timeout}")
-    hangs.flight_recorder_env(args.output_dir)
-    timeout = datetime.timedelta(seconds=args.dist_timeout)
+             f"rendezvous included), got {dist_timeout}")
+    hangs.flight_recorder_env(output_dir)
+    timeout = datetime.timedelta(seconds=dist_timeout)
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     return timeout
 
@@ -140,7 +140,7 @@ def collective_settings(args):
 JOIN_S = 60  # the longest a rank waits for the others to form the process group before it says so and leaves
 
 
-def init_distributed(args):
+def init_distributed(dist_timeout, output_dir):
     """deepspeed.init_distributed (nccl or gloo) under collective_settings, bounded: the ranks start together (the
     launchers start them at once), so a group that has not formed within a minute never will, and a rank that
     cannot connect to another would otherwise wait for --dist-timeout (30 minutes) without a word. Such a rank says
@@ -151,7 +151,7 @@ def init_distributed(args):
 
     import deepspeed
 
-    timeout = collective_settings(args)
+    timeout = collective_settings(dist_timeout, output_dir)
     # on a CPU DeepSpeed compiles its shared-memory op at a machine's first run (a minute): not part of joining
     importlib.import_module("deepspeed.comm.torch").build_shm_op()
     rank, interface = os.environ.get("RANK", "0"), os.environ.get("GLOO_SOCKET_IFNAME")
@@ -159,7 +159,7 @@ def init_distributed(args):
     line = (f"rank {rank} on {socket.gethostname()} could not join the other ranks {{}}: gloo offered them {offered}, "
             f"the master is {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}. A host that cannot reach "
             f"another, or the wrong interface: see docs/multinode.md, check the hosts with job/preflight.py")
-    bound = min(JOIN_S, args.dist_timeout)
+    bound = min(JOIN_S, dist_timeout)
 
     def leave():
         print("error: " + line.format(f"within {bound} s"), file=sys.stderr, flush=True)

@@ -47,30 +47,32 @@ def load_pretrained(loader, name, **kwargs):
              f"the network (HF_HUB_OFFLINE), or HF_TOKEN in the environment for a gated model")
 
 
-def load_causal_lm(args, config, device, **kwargs):
+def load_causal_lm(settings, config, device):
     """The model to fine-tune, in fp32 (the master weights; 16-bit copies are the engine's or autocast's; a LoRA base
-    in the run's precision), with the attention implementation this hardware runs fastest (hardware.attention)."""
+    in the run's precision), with the attention implementation this hardware runs fastest (hardware.attention).
+    `settings`: flags.Model, its precision resolved."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import is_flash_attn_2_available
 
-    architecture = AutoModelForCausalLM._model_mapping.get(type(config), None) if not kwargs.get("trust_remote_code") \
+    architecture = AutoModelForCausalLM._model_mapping.get(type(config), None) if not settings.trust_remote_code \
         else None
-    implementation = hardware.attention(hardware.facts(device), args.precision, is_flash_attn_2_available(),
+    implementation = hardware.attention(hardware.facts(device), settings.precision, is_flash_attn_2_available(),
                                         getattr(architecture, "_supports_flash_attn", False),
                                         getattr(architecture, "_compatible_flash_implementations", None))
     extra = {"attn_implementation": implementation} if implementation else {}
-    experts = hardware.experts_implementation(args.precision, hardware.experts_per_token(config)[0])
+    experts = hardware.experts_implementation(settings.precision, hardware.experts_per_token(config)[0])
     if experts:
         register_autocast_experts()
         extra["experts_implementation"] = experts
     # LoRA in 16 bits: the frozen base is loaded in 16 bits (half the memory, on the CPU too); the adapters peft adds
     # are fp32. QLoRA: its linear layers in 4 or 8 bits (--load-in-4bit), computing in the run's precision
-    dtype = hardware.AUTOCAST_DTYPES.get(args.precision, torch.float32) if args.lora_rank else torch.float32
-    if quantization.bits(args):
-        extra["quantization_config"] = quantization.loading_config(args, dtype)
-    model = load_pretrained(AutoModelForCausalLM, args.model, dtype=dtype, **extra, **kwargs)
-    if quantization.bits(args):
-        quantization.keep_trainable(model, f"--load-in-{quantization.bits(args)}bit")
+    dtype = hardware.AUTOCAST_DTYPES.get(settings.precision, torch.float32) if settings.lora_rank else torch.float32
+    if quantization.bits(settings):
+        extra["quantization_config"] = quantization.loading_config(settings, dtype)
+    model = load_pretrained(AutoModelForCausalLM, settings.model, dtype=dtype, **extra,
+                          trust_remote_code=settings.trust_remote_code)
+    if quantization.bits(settings):
+        quantization.keep_trainable(model, f"--load-in-{quantization.bits(settings)}bit")
     return model
 
 
@@ -110,27 +112,28 @@ def load_tokenizer(name, **kwargs):
     return tokenizer
 
 
-def prepare_model(model, args):
+def prepare_model(model, settings, seed):
     """LoRA (--lora-rank > 0): low-rank adapters on the chosen linear layers through peft; only they train, the
     base weights are frozen (and kept in 16 bits when the run is bf16/fp16). Then gradient checkpointing, and the
-    chunked loss (loss.py)."""
-    if args.lora_rank:
+    chunked loss (loss.py). `settings`: flags.Model; `seed` draws the adapters."""
+    if settings.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        targets, parameters = lora_targets(model, args.lora_targets)
-        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets,
+        targets, parameters = lora_targets(model, settings.lora_targets)
+        config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules=targets,
                             target_parameters=parameters, lora_dropout=0.0, task_type="CAUSAL_LM")
-        torch.manual_seed(args.seed)  # the adapters' initialization, the same in every script and on every rank
+        torch.manual_seed(seed)  # the adapters' initialization, the same in every script and on every rank
         try:
             model = get_peft_model(model, config)
         except ValueError as e:
-            fail(f"--lora-targets {args.lora_targets}: {str(e).splitlines()[0][:200]}; name linear layers of the model")
+            fail(f"--lora-targets {settings.lora_targets}: {str(e).splitlines()[0][:200]}; name linear layers of the "
+                 f"model")
         head = model.get_output_embeddings()
-        if args.loss_chunk and hasattr(head, "lora_A") and not loss.postprocessed_logits(model.config):
-            fail(f"--lora-targets {args.lora_targets} puts an adapter on the output head, which the chunked loss "
+        if settings.loss_chunk and hasattr(head, "lora_A") and not loss.postprocessed_logits(model.config):
+            fail(f"--lora-targets {settings.lora_targets} puts an adapter on the output head, which the chunked loss "
                  f"reads as its base weight (loss.py): the adapter would never train. Leave the head out of "
                  f"--lora-targets, or pass --loss-chunk 0")
-        if args.precision in hardware.AUTOCAST_DTYPES:
+        if settings.precision in hardware.AUTOCAST_DTYPES:
             # frozen weights: no fp32 master needed. Under ZeRO-3 the adapters too: DeepSpeed skips its 16-bit cast
             # for a model made under zero.Init and takes the run's dtype from the first trainable parameter
             # (stage3.py), so fp32 adapters would train in fp32, and in fp16 with a loss scale fixed at 1 (no overflow
@@ -138,12 +141,12 @@ def prepare_model(model, args):
             zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
             for p in model.parameters():
                 if (not p.requires_grad or zero3) and not quantization.is_quantized(p):
-                    p.data = p.data.to(hardware.AUTOCAST_DTYPES[args.precision])
-    if args.gradient_checkpointing:
+                    p.data = p.data.to(hardware.AUTOCAST_DTYPES[settings.precision])
+    if settings.gradient_checkpointing:
         # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return loss.attach(model, args.loss_chunk)
+    return loss.attach(model, settings.loss_chunk)
 
 
 # peft 0.21 renames the targets of a mixture of experts (model types it converts as it does Mixtral's: Qwen3-MoE, OLMoE,

@@ -22,6 +22,7 @@ import torch
 
 from . import hangs
 from .base import fail
+from .blocks import rank_batches
 
 COLUMNS = ("prompt", "chosen", "rejected")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -199,19 +200,21 @@ def examples_prompt(row):
 # ----------------------------------------------------------------------------------------------------
 # The reference: the model as loaded scores every pair once
 
-def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0, world_size=1, say=print):
+def reference(model, splits, config, out, process):
     """Before the first step: the log-probabilities of every pair's two answers under the model as loaded (with LoRA:
     the base), each rank its share, summed over the ranks, kept in <output-dir>/reference.pt; a resume reads that
     file (rank 0 reads it, the others get it from rank 0), so the reference never moves and is never recomputed.
-    They go with the splits' batches to the loss, with --beta. No second copy of the model at any time."""
+    They go with the splits' batches to the loss, with --beta. No second copy of the model at any time. `config`:
+    the run's Config (flags.py); `process`: training.Process."""
     train = splits[0]
     if train.format != "preference":
         return
-    if getattr(args, "sequence_parallel", 1) > 1:
+    if config.sequence_parallel > 1:
         fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
+    rank, world_size = process.rank, process.world_size
     without_dropout(model)
-    path, tensors, made_of = out / "reference.pt", None, fingerprint(splits, args)
-    if args.resume and rank == 0:  # a run that starts (an earlier run's file included) scores them anew
+    path, tensors, made_of = out / "reference.pt", None, fingerprint(splits, config.model)
+    if config.run.resume and rank == 0:  # a run that starts (an earlier run's file included) scores them anew
         if not path.exists():
             fail(f"{path} is missing, so the resumed run has no reference; start again with --overwrite")
         saved = torch.load(path, weights_only=True)
@@ -224,40 +227,39 @@ def reference(model, splits, args, out, pad_id, device, config, autocast, rank=0
             fail(f"{path} was scored with another {', '.join(REFERENCE_INPUTS[k] for k in changed)} than this run's: "
                  f"its log-probabilities would be wrong. Resume with the run's own flags, or start again with "
                  f"--overwrite")
-    has = torch.tensor([int(tensors is not None)], device=device)
+    has = torch.tensor([int(tensors is not None)], device=process.device)
     if world_size > 1:
         torch.distributed.broadcast(has, 0)
     if has.item():
         tensors = tensors or [torch.zeros(s.pairs_total, 2, dtype=torch.float64) for s in splits]
         if world_size > 1:
             for t in tensors:
-                moved = t.to(device)
+                moved = t.to(process.device)
                 torch.distributed.broadcast(moved, 0)
                 t.copy_(moved.cpu())
     else:
         started = time.perf_counter()
-        tensors = [_scores(model, s, args, pad_id, device, config, autocast, rank, world_size) for s in splits]
+        tensors = [_scores(model, s, config.train.batch_size, process) for s in splits]
         if rank == 0:
             tmp = path.with_name(".tmp-reference.pt")
             torch.save({"train": tensors[0], "eval": tensors[1], "made_of": json.dumps(made_of)}, tmp)
             tmp.replace(path)
-        say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once in "
+        process.say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once in "
             f"{time.perf_counter() - started:.1f} s, kept in {path}")
     for split, scores in zip(splits, tensors):
-        split.reference, split.beta = scores.float(), args.beta
+        split.reference, split.beta = scores.float(), config.train.beta
 
 
 REFERENCE_INPUTS = {"pairs": "dataset, rows or cut (--dataset, --eval-dataset, --block-size, --packing, ...)",
                     "model": "--model", "lora_rank": "--lora-rank", "base": "quantized base", "precision": "--precision"}
 
 
-def fingerprint(splits, args):
+def fingerprint(splits, model):
     """What the reference's log-probabilities depend on, kept beside them: the prepared pairs (their cache key: the
     dataset, its rows, the block size and packing that cut them), the model (its folder's name), the adapters'
-    base (LoRA scores the base; 4 or 8 bits round it) and the precision it ran in."""
-    bits = "4bit" if getattr(args, "load_in_4bit", False) else "8bit" if getattr(args, "load_in_8bit", False) else ""
-    return {"pairs": [s.source for s in splits], "model": Path(str(args.model)).name, "lora_rank": args.lora_rank,
-            "base": bits, "precision": args.precision}
+    base (LoRA scores the base; 4 or 8 bits round it) and the precision it ran in. `model`: flags.Model."""
+    return {"pairs": [s.source for s in splits], "model": Path(str(model.model)).name, "lora_rank": model.lora_rank,
+            "base": f"{model.bits}bit" if model.bits else "", "precision": model.precision}
 
 
 def without_dropout(model):
@@ -273,25 +275,22 @@ def without_dropout(model):
 
 
 @torch.no_grad()
-def _scores(model, blocks, args, pad_id, device, config, autocast, rank, world_size):
+def _scores(model, blocks, batch_size, process):
     """Each pair's (chosen, rejected) log-probabilities, float64, on every rank. Every rank runs the same number of
     forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a masked batch."""
     model.eval()
-    scores = torch.zeros(blocks.pairs_total, 2, dtype=torch.float64, device=device)
-    per_step = args.batch_size * world_size
-    for start in range(0, len(blocks), per_step):
-        mine = torch.arange(start, min(start + per_step, len(blocks)))[rank * args.batch_size:
-                                                                       (rank + 1) * args.batch_size]
-        inputs, targets = blocks.batch(mine if len(mine) else [0], pad_id, device, config)
+    scores = torch.zeros(blocks.pairs_total, 2, dtype=torch.float64, device=process.device)
+    for mine in rank_batches(len(blocks), batch_size, process.rank, process.world_size):
+        inputs, targets = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device, process.model_config)
         hangs.progress()
         # eagerly under --compile: one pass, in shapes and a grad mode the training never runs, compiled for each
         # batch shape would take longer than it runs (200 pairs on a CPU: 40 s against 0.2 s)
-        with autocast, torch.compiler.set_stance("force_eager"):
+        with process.autocast, torch.compiler.set_stance("force_eager"):
             logps = model(**inputs, loss_targets=targets)
         if len(mine):
-            scores[torch.from_numpy(blocks.pair_ids(mine)).to(device)] = logps.view(-1, 2).double()
+            scores[torch.from_numpy(blocks.pair_ids(mine)).to(process.device)] = logps.view(-1, 2).double()
     model.train()
-    if world_size > 1:
+    if process.world_size > 1:
         torch.distributed.all_reduce(scores)
     return scores.cpu()
 

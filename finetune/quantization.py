@@ -10,22 +10,22 @@ from .base import fail
 BLOCK, NESTED_BLOCK = 64, 256
 
 
-def bits(args):
-    """4, 8, or None: how many bits hold the frozen base."""
-    return 4 if getattr(args, "load_in_4bit", False) else 8 if getattr(args, "load_in_8bit", False) else None
+def bits(model):
+    """4, 8, or None: how many bits hold the frozen base (`model`: flags.Model, or plan.py's flags)."""
+    return 4 if model.load_in_4bit else 8 if model.load_in_8bit else None
 
 
-def check(args, zero_stage=None, library=True):
+def check(model, zero_stage=None, library=True):
     """One line for what cannot run: both widths, a quantized base without adapters to train, 8 bits under ZeRO-3,
     bitsandbytes missing (where the `library` is needed: not by plan.py)."""
-    if not bits(args):
+    if not bits(model):
         return
-    flag = f"--load-in-{bits(args)}bit"
-    if args.load_in_4bit and args.load_in_8bit:
+    flag = f"--load-in-{bits(model)}bit"
+    if model.load_in_4bit and model.load_in_8bit:
         fail("--load-in-4bit and --load-in-8bit both given; choose one (4 bits: QLoRA's NF4, the smaller)")
-    if not args.lora_rank:
+    if not model.lora_rank:
         fail(f"{flag} quantizes a frozen base, which only LoRA trains over: add --lora-rank (e.g. 16)")
-    if bits(args) == 8 and zero_stage == 3:  # Linear8bitLt multiplies by a copy of the weight ZeRO-3 never gathers
+    if bits(model) == 8 and zero_stage == 3:  # Linear8bitLt multiplies by a copy of the weight ZeRO-3 never gathers
         fail("--load-in-8bit cannot be sharded by ZeRO-3 (its int8 weights are read outside the parameter); "
              "use --load-in-4bit, or --zero-stage 2")
     if library:
@@ -35,14 +35,14 @@ def check(args, zero_stage=None, library=True):
             fail(f"{flag} needs bitsandbytes: pip install bitsandbytes==0.50.2")
 
 
-def loading_config(args, compute_dtype):
+def loading_config(model, compute_dtype):
     """transformers' BitsAndBytesConfig: NF4 with double quantization (QLoRA's), the matmuls in the run's precision,
     the packed bytes stored in that same dtype (bnb_4bit_quant_storage, as PEFT's ZeRO-3 + QLoRA guide has it): a
     bf16 or fp16 engine casts every floating parameter to its dtype, which leaves them as they are then (stored as
     fp32 they would be converted as numbers)."""
     from transformers import BitsAndBytesConfig
 
-    if bits(args) == 8:
+    if bits(model) == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=compute_dtype)

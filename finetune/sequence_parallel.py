@@ -32,10 +32,10 @@ SHARDED = "sequence_sharded"  # the batch key that marks a training batch cut in
 DOCUMENTS, PLAIN = "sp_documents", "sp_one_document_a_row"  # SDPA: each token's document in the whole rows; no mask
 
 
-def setup(args, model, world_size, batch_rows):
-    """The process groups and the attention for --sequence-parallel; the mpu that deepspeed.initialize takes (None
-    without SP). `batch_rows`: rows of a training micro-batch (1 when FlashAttention lays documents end to end)."""
-    size = args.sequence_parallel
+def setup(size, model, world_size, batch_rows):
+    """The process groups and the attention for --sequence-parallel `size`; the mpu that deepspeed.initialize takes
+    (None without SP). `batch_rows`: rows of a training micro-batch (1 when FlashAttention lays documents end to
+    end)."""
     if size == 1:
         return None
     config = model.config

@@ -26,9 +26,9 @@ class Trackers:
     199 of them, however long after the last one): at each checkpoint its run is finished, and the next metric
     reopens it, so a SIGKILL loses at most what was logged since the last checkpoint."""
 
-    def __init__(self, names, out, args, rank):
+    def __init__(self, names, out, settings, rank):
         self.names = [n for n in names if n != "none"]
-        self.out, self.args, self.rank, self.writers, self.closed = Path(out), args, rank, None, False
+        self.out, self.settings, self.rank, self.writers, self.closed = Path(out), settings, rank, None, False
         if rank == 0 and "wandb" in self.names:
             check_wandb(os.environ)
 
@@ -43,7 +43,7 @@ class Trackers:
             # purge_step: events a killed run logged after its checkpoint are dropped, so a resume does not draw
             # the same steps twice; the curves go on from the checkpoint
             writer = SummaryWriter(log_dir=str(self.out / "tensorboard"), purge_step=step + 1)
-            writer.add_text("args", "    " + json.dumps(vars(self.args), indent=1, default=str).replace("\n", "\n    "))
+            writer.add_text("args", "    " + json.dumps(self.settings, indent=1, default=str).replace("\n", "\n    "))
             self.writers["tensorboard"] = writer
         if "wandb" in self.names and "wandb" not in self.writers:
             import wandb
@@ -54,7 +54,7 @@ class Trackers:
             tmp.write_text(run_id)  # leave an empty id (wandb refuses it), so the file is replaced whole
             os.replace(tmp, id_file)
             self.writers["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "finetune"), id=run_id,
-                                               resume="allow", dir=str(self.out), config=vars(self.args),
+                                               resume="allow", dir=str(self.out), config=self.settings,
                                                name=self.out.name, settings=wandb.Settings(console="off"))
 
     def log(self, metrics, step):

@@ -1,6 +1,7 @@
 """What single-gpu.py and zero-optimization.py share and is not their lesson: checks, quiet output, the batch order,
 progress and throughput, evaluation, results (the run folder and its checkpoints: checkpoints.py)."""
 import contextlib
+import dataclasses
 import io
 import logging
 import math
@@ -10,11 +11,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from . import hangs, hardware, loss, models, preference, quantization, tracking
 from .base import ROOT, fail, write_json  # noqa: F401 (the scripts' training.fail, training.write_json)
+from .blocks import rank_batches
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 # fp16's dynamic loss scale, the same as the ds_config files' "fp16" block: start at 2^16, halve at an overflow (and
@@ -38,6 +41,7 @@ def quiet(verbose, rank):
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on a CPU: an optional kernels package is missing
     ds_comm = sys.modules.get("deepspeed.comm.torch")
     if ds_comm is not None and not getattr(ds_comm.build_shm_op, "quiet", False):
         ds_comm.build_shm_op = _without_print(ds_comm.build_shm_op)
@@ -53,39 +57,25 @@ def _without_print(build):
     return quiet_build
 
 
-def check_args(args, max_positions):
-    for flag in ("lr", "batch_size", "grad_accum", "block_size", "log_every"):
-        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    for flag in ("save_every", "keep_checkpoints", "max_train_samples", "num_proc", "loss_chunk", "lora_rank",
-                 "eval_every", "max_eval_samples"):
-        if getattr(args, flag) < 0:
-            fail(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
-    if args.max_steps <= 0 and args.epochs <= 0:
-        fail("set --epochs or --max-steps to a positive number")
-    if not 0 < args.eval_fraction < 1:
-        fail(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}")
-    if "wandb" in args.report_to:  # rank 0 alone writes to W&B, and says what is missing
-        tracking.check_wandb(os.environ, say=os.environ.get("RANK", "0") == "0")
-    if args.final == "best" and not args.save_every:
-        fail("--final best exports the checkpoint with the lowest eval loss: set --save-every (a multiple of "
-             "--eval-every) so that there are checkpoints to choose from")
-    if args.resume == "auto":  # one command line for the first submission and every requeue (--overwrite: start over)
-        args.resume = "newest" if not args.overwrite and (Path(args.output_dir) / "checkpoints" / "latest").exists() \
-            else None
-    quantization.check(args)
-    if args.block_size < 2:
-        fail("--block-size must be at least 2 (a token and the next one to predict)")
-    if max_positions and args.block_size > max_positions:
-        fail(f"--block-size {args.block_size} is beyond the model's {max_positions} positions; lower it")
+@dataclasses.dataclass(frozen=True)
+class Process:
+    """What this process is, made once in setup and passed whole: where it computes, its place among the ranks, the
+    precision it computes in, how batches are laid out and who prints."""
+    device: Any  # torch.device
+    rank: int
+    world_size: int
+    autocast: Any  # hardware.autocast's context (nothing under fp32, or where the engine holds 16-bit weights)
+    pad_id: int  # the tokenizer's padding token
+    model_config: Any  # the model's config as loaded: its attention implementation lays the batches out (blocks.py)
+    say: Callable = print  # rank 0's printer (the others print nothing)
 
 
-def split(args, world_size):
+def split(config, world_size):
     """How a global batch is made: 'B per micro-step x A micro-steps x R ranks' (with sequence parallelism: R/N
-    replicas of N ranks, each sequence split over its N ranks)."""
-    sp = getattr(args, "sequence_parallel", 1)
+    replicas of N ranks, each sequence split over its N ranks). `config`: the run's Config (flags.py)."""
+    sp, train = config.sequence_parallel, config.train
     who = f"{world_size} ranks" if sp == 1 else f"{world_size // sp} replicas of {sp} ranks, a sequence over {sp}"
-    return f"{args.batch_size} per micro-step x {args.grad_accum} micro-steps x {who}"
+    return f"{train.batch_size} per micro-step x {train.grad_accum} micro-steps x {who}"
 
 
 def param_groups(model, weight_decay):
@@ -133,18 +123,19 @@ class RunStats:
     """The run's bookkeeping, kept out of the training loop: the losses (held on the device between log lines, so
     the loop has one host sync per interval), tokens and time (checkpoints and the first interval, the warm-up, left
     out of the steady-state figures), FLOPs and MFU. On several ranks, an all-reduce adds their shares of each step's
-    loss."""
+    loss. `config`: the run's Config (flags.py); `process`: training.Process."""
 
-    def __init__(self, config, model, args, device):
-        self.config, self.args, self.device, self.model = config, args, device, model
+    def __init__(self, model, config, process):
+        self.model_config, self.run, self.device, self.model = process.model_config, config.run, process.device, model
         inner = getattr(model, "module", model)
         numel = hardware.values
         self.total = sum(numel(p) for p in {id(p): p for p in inner.parameters()}.values())
         self.trainable = sum(numel(p) for p in {id(p): p for p in inner.parameters() if p.requires_grad}.values())
         self.matmul_params = hardware.matmul_params(inner)
         self.trained_matmul_params = hardware.matmul_params(inner, trainable_only=True)
-        facts = hardware.facts(device)
-        self.peak = hardware.peak_tflops(facts.name, args.precision) if facts.kind == "cuda" else None
+        facts = hardware.facts(self.device)
+        self.peak = hardware.peak_tflops(facts.name, config.model.precision) if facts.kind == "cuda" else None
+        self.precision = config.model.precision
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
         self.grad_norms, self.pending_norms, self.evals, self.eval_time = [], [], [], 0.0
         self.pair_metrics, self.pending_pairs = {name: [] for name in preference.METRICS}, []  # DPO's, per step
@@ -155,10 +146,10 @@ class RunStats:
         dist = torch.distributed
         self.rank, self.ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.rank_memory = [0.0] * self.ranks  # each rank's peak memory (GiB), brought over with the losses
-        self.trackers = tracking.Trackers(args.report_to, args.output_dir, args, self.rank)
+        self.trackers = tracking.Trackers(self.run.report_to, self.run.output_dir, config.flat(), self.rank)
         self.watchdog = None  # a hang names itself (hangs.py): on several ranks, with a bound on their collectives
-        if self.ranks > 1 and getattr(args, "dist_timeout", None):
-            self.watchdog = hangs.Watchdog(args.output_dir, args.dist_timeout, self.rank,
+        if self.ranks > 1 and config.zero:
+            self.watchdog = hangs.Watchdog(self.run.output_dir, config.zero.dist_timeout, self.rank,
                                            self.ranks, dist.distributed_c10d._get_default_store())
 
     def describe(self):
@@ -219,10 +210,15 @@ class RunStats:
                      f"fp16) or the model or data hold NaN/inf; the checkpoints are all from before step {step}")
 
     def log_due(self, step, total_steps):
-        return (step + 1) % self.args.log_every == 0 or step + 1 == total_steps
+        return (step + 1) % self.run.log_every == 0 or step + 1 == total_steps
 
     def eval_due(self, step, total_steps):
-        return bool(self.args.eval_every) and (step + 1) % self.args.eval_every == 0 or step + 1 == total_steps
+        return bool(self.run.eval_every) and (step + 1) % self.run.eval_every == 0 or step + 1 == total_steps
+
+    def save_due(self, step, total_steps):
+        """Every --save-every steps and at the end (0: never; a signal saves whenever it comes: checkpoints.Stop)."""
+        every = self.run.save_every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == total_steps)
 
     def eval_line(self, step, result, answers=None):
         """Record the eval loss after `step + 1` steps ((loss, tokens) from evaluate, run within paused()) and say
@@ -276,7 +272,7 @@ class RunStats:
         """Model FLOPs utilization over these log intervals: FLOPs done per second per GPU over the peak."""
         if not self.peak or not intervals:
             return None
-        per_token = lambda attended: hardware.flops_per_token(self.config, self.matmul_params, attended,
+        per_token = lambda attended: hardware.flops_per_token(self.model_config, self.matmul_params, attended,
                                                               self.trained_matmul_params)
         flops = sum(per_token(a) * t for _, _, t, a in intervals)
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -329,7 +325,7 @@ class RunStats:
                 "peak_memory_bytes": peak_memory_bytes(self.device), "peak_memory_gb_per_rank": self.rank_memory,
                 "model_state_bytes_per_rank": held_bytes,
                 "trainable_params": self.trainable, "total_params": self.total, "world_size": world_size,
-                "global_batch_size": global_batch, "precision": self.args.precision, "ran": what_ran(self.model)}
+                "global_batch_size": global_batch, "precision": self.precision, "ran": what_ran(self.model)}
 
 
 def what_ran(model):
@@ -390,20 +386,19 @@ def peak_memory_bytes(device):
 # Evaluation and results
 
 @torch.no_grad()
-def eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank=0, world_size=1):
+def eval_loss_sums(model, blocks, batch_size, process):
     """(summed loss, predicted tokens, 0) over this rank's share of the eval set, as a float64 tensor to all-reduce;
     for preference pairs (summed DPO loss, pairs, pairs ranked right). Every rank runs the same number of forward
-    passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out."""
+    passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out.
+    `batch_size`: sequences per rank and pass (--batch-size); `process`: training.Process."""
     model.eval()
-    total = torch.zeros(3, dtype=torch.float64, device=device)
-    per_step = args.batch_size * world_size
-    for start in range(0, len(blocks), per_step):
-        mine = torch.arange(start, min(start + per_step, len(blocks)))[rank * args.batch_size:
-                                                                       (rank + 1) * args.batch_size]
-        inputs, labels = blocks.batch(mine if len(mine) else [0], pad_id, device, config, carry_loss=len(mine) > 0)
+    total = torch.zeros(3, dtype=torch.float64, device=process.device)
+    for mine in rank_batches(len(blocks), batch_size, process.rank, process.world_size):
+        inputs, labels = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device,
+                                      process.model_config, carry_loss=len(mine) > 0)
         # eagerly under --compile: in eval mode without gradients dynamo compiles every graph anew, which takes
         # longer than most evals run (docs/zero.md)
-        with autocast, torch.compiler.set_stance("force_eager"):
+        with process.autocast, torch.compiler.set_stance("force_eager"):
             total[0] += loss.token_loss_sum(model, inputs, labels).double()
         total[1] += labels[3] if len(labels) > 2 else len(labels[1])
     pairs = loss.take_pair_metrics()
@@ -413,13 +408,13 @@ def eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank=0
     return total
 
 
-def evaluate(model, blocks, args, pad_id, device, config, autocast, rank=0, world_size=1):
+def evaluate(model, blocks, batch_size, process):
     """(eval loss, tokens, None): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
     completion and chats), every rank evaluating its share; for preference pairs (the mean DPO loss, pairs, the
     reward accuracy). It draws no random numbers and leaves the model in training mode: a run that evaluates trains
     exactly as one that does not."""
-    sums = eval_loss_sums(model, blocks, args, pad_id, device, config, autocast, rank, world_size)
-    if world_size > 1:
+    sums = eval_loss_sums(model, blocks, batch_size, process)
+    if process.world_size > 1:
         torch.distributed.all_reduce(sums)
     accuracy = (sums[2] / sums[1]).item() if blocks.pieces is not None else None
     return (sums[0] / sums[1]).item(), int(sums[1]), accuracy

@@ -23,17 +23,19 @@ DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
 # ----------------------------------------------------------------------------------------------------
 # The DeepSpeed config: "auto" means "from the flags", like the HF Trainer
 
-def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
+def deepspeed_config(flags, world_size, total_steps, warmup_steps, model_config):
     """Read the JSON config (--deepspeed PATH) and fill its "auto" values from the flags. An explicit value that
-    disagrees with a flag is an error naming both; --zero-stage and --offload override the file."""
+    disagrees with a flag is an error naming both; --zero-stage and --offload override the file. `flags`: the run's
+    Config (flags.py), its precision and learning rate resolved."""
     import deepspeed
     mends.check_version(deepspeed.__version__)
-    path = args.deepspeed
+    train, model, precision = flags.train, flags.model, flags.model.precision
+    path = flags.zero.deepspeed
     config = read_config(path)
     zero = config.setdefault("zero_optimization", {})
-    if args.zero_stage is not None:
-        zero["stage"] = args.zero_stage
-    sp = getattr(args, "sequence_parallel", 1)
+    if flags.zero.zero_stage is not None:
+        zero["stage"] = flags.zero.zero_stage
+    sp = flags.sequence_parallel
     if sp > 1:  # an SP group is one data-parallel replica: DeepSpeed counts the batch per replica
         text = hardware.text_config(model_config)
         finetune_sp.check(sp, world_size, text.num_attention_heads,
@@ -43,47 +45,47 @@ def deepspeed_config(args, world_size, total_steps, warmup_steps, model_config):
             fail(f"{path}: --sequence-parallel needs zero_optimization.reduce_scatter true at stage 3 (without it the "
                  f"engine averages the gradients over another number of ranks bucket by bucket); remove it")
         config["sequence_parallel_size"] = sp  # for zero.Init too, which reads this dict without the groups
-    if args.offload is not None:
-        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": args.offload}
-        if args.offload == "nvme":
-            zero["offload_optimizer"]["nvme_path"] = args.nvme_path
+    if flags.zero.offload is not None:
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": flags.zero.offload}
+        if flags.zero.offload == "nvme":
+            zero["offload_optimizer"]["nvme_path"] = flags.zero.nvme_path
         if zero.get("stage") == 3:  # stage 3 can offload the parameters too (the file's other offload_param keys kept)
             where = {k: v for k, v in zero["offload_optimizer"].items() if k in ("device", "nvme_path")}
             zero["offload_param"] = {**zero.get("offload_param", {}), **where}
         else:
             zero.pop("offload_param", None)
     check_offload(zero)
-    quantization.check(args, zero.get("stage"))  # 8 bits cannot be sharded
+    quantization.check(model, zero.get("stage"))  # 8 bits cannot be sharded
     from deepspeed.accelerator import get_accelerator
-    check_precision(args.precision, get_accelerator())
+    check_precision(precision, get_accelerator())
     if zero.get("offload_param", {}).get("device") == "nvme":
-        size_swap_buffers(config, path, largest_parameter(model_config), world_size, 4 if args.precision in
+        size_swap_buffers(config, path, largest_parameter(model_config), world_size, 4 if precision in
                           ("fp32", "tf32") else 2)
     layer_params = None  # ZeRO-3: its transformer layers gathered and reduced whole (zero3_layers)
     if zero.get("stage") == 3:
-        classes, layer_params = zero3_layers(meta_model(model_config), whole_layers=not getattr(args, "lora_rank", 0))
+        classes, layer_params = zero3_layers(meta_model(model_config), whole_layers=not model.lora_rank)
         zero.setdefault("leaf_module", {"classes": classes})  # the file's own list wins
     choose_optimizer(config, torch.cuda.is_available())
-    autocast = autocast_at_stage0(config, args.precision, zero.get("stage", 0), path)  # ZeRO-0's bf16: torch's
-    engine_bf16 = args.precision == "bf16" and not autocast
+    autocast = autocast_at_stage0(config, precision, zero.get("stage", 0), path)  # ZeRO-0's bf16: torch's
+    engine_bf16 = precision == "bf16" and not autocast
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         config.setdefault(key, "auto")  # the loop needs these three to be what the flags say
     values = [  # (key in the JSON, value from the flags, flag named in an error)
-        ("train_micro_batch_size_per_gpu", args.batch_size, "--batch-size"),
-        ("gradient_accumulation_steps", args.grad_accum, "--grad-accum"),
-        ("train_batch_size", args.batch_size * args.grad_accum * world_size // sp,
+        ("train_micro_batch_size_per_gpu", train.batch_size, "--batch-size"),
+        ("gradient_accumulation_steps", train.grad_accum, "--grad-accum"),
+        ("train_batch_size", train.batch_size * train.grad_accum * world_size // sp,
          f"--batch-size x --grad-accum x {world_size // sp} {'ranks' if sp == 1 else 'replicas'}"),
-        ("gradient_clipping", args.max_grad_norm, "--max-grad-norm"),
-        ("optimizer.params.lr", args.lr, "--lr"),
+        ("gradient_clipping", train.max_grad_norm, "--max-grad-norm"),
+        ("optimizer.params.lr", train.lr, "--lr"),
         ("optimizer.params.betas", list(ADAM_BETAS), "ADAM_BETAS"),
         ("optimizer.params.eps", ADAM_EPS, "ADAM_EPS"),
-        ("optimizer.params.weight_decay", args.weight_decay, "--weight-decay"),
+        ("optimizer.params.weight_decay", train.weight_decay, "--weight-decay"),
         ("scheduler.params.warmup_min_lr", 0.0, "--lr"),
-        ("scheduler.params.warmup_max_lr", args.lr, "--lr"),
+        ("scheduler.params.warmup_max_lr", train.lr, "--lr"),
         ("scheduler.params.warmup_num_steps", warmup_steps, "--warmup-ratio"),
         ("scheduler.params.total_num_steps", total_steps, "--epochs/--max-steps"),
         ("bf16.enabled", engine_bf16, "--precision"),
-        ("fp16.enabled", args.precision == "fp16", "--precision"),
+        ("fp16.enabled", precision == "fp16", "--precision"),
         # the loss scale of single-gpu.py's GradScaler (training.FP16_SCALER), so the pair skips the same steps
         ("fp16.initial_scale_power", int(math.log2(FP16_SCALER["init_scale"])), "training.FP16_SCALER"),
         ("fp16.loss_scale_window", FP16_SCALER["growth_interval"] - 1,
@@ -344,11 +346,13 @@ def gathered_state_dict(engine):
 # ----------------------------------------------------------------------------------------------------
 # Resume, also on another number of ranks
 
-def resume_folder(out, args, world_size, ds_config, rank, say):
+def resume_folder(out, flags, world_size, ds_config, rank, say):
     """The checkpoint to load: the newest one, or, when another number of ranks wrote it, DeepSpeed's universal form
     of it (each parameter's fp32 weights and Adam moments, whole, cut into this run's shards as they load). A
-    checkpoint without optimizer shards (ZeRO-0 in fp32 saves the whole optimizer state) loads as it is."""
-    folder, saved = checkpoints.resume_folder(out, args, world_size, ds_config["zero_optimization"].get("stage", 0))
+    checkpoint without optimizer shards (ZeRO-0 in fp32 saves the whole optimizer state) loads as it is. `flags`: the
+    run's Config."""
+    folder, saved = checkpoints.resume_folder(out, flags.train, flags.model, world_size, flags.sequence_parallel,
+                                              ds_config["zero_optimization"].get("stage", 0))
     if saved["world_size"] == world_size:
         return folder
     if not list(folder.glob("*optim_states.pt")):
@@ -392,26 +396,26 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
     return target
 
 
-def sequence_parallel(args, model):
+def sequence_parallel(flags, model):
     """--sequence-parallel's process groups and attention (sequence_parallel.py): the mpu for deepspeed.initialize,
     or None without it."""
     from . import blocks
 
-    rows = 1 if blocks.attention_layout(model.config._attn_implementation) == "varlen" else args.batch_size
-    return finetune_sp.setup(args, model, torch.distributed.get_world_size(), rows)
+    rows = 1 if blocks.attention_layout(model.config._attn_implementation) == "varlen" else flags.train.batch_size
+    return finetune_sp.setup(flags.sequence_parallel, model, torch.distributed.get_world_size(), rows)
 
 
-def sequence_shard(rank, args):
+def sequence_shard(rank, sequence_parallel):
     """Which shard of its replica's micro-batch this rank takes: (its place in its SP group, the group's size)."""
-    return rank % args.sequence_parallel, args.sequence_parallel
+    return rank % sequence_parallel, sequence_parallel
 
 
-def gradient_divisor(engine, world_size, args):
+def gradient_divisor(engine, world_size, sequence_parallel):
     """What the engine divides the summed gradients of the ranks by (the scripts multiply the loss by it, so the
     gradient is the token mean over the global batch, as in single-gpu.py): all ranks; with sequence parallelism
     the data-parallel replicas at ZeRO 0-2 (engine.py, stage_1_and_2.py: world / sequence_parallel_size) but still
     all ranks at ZeRO-3 (stage3.py's reduce-scatter divides by its group, every rank)."""
-    sp = getattr(args, "sequence_parallel", 1)
+    sp = sequence_parallel
     return world_size if sp == 1 or engine.zero_optimization_stage() == 3 else world_size // sp
 
 
@@ -421,20 +425,20 @@ def grad_norm(engine):
     return float("nan") if norm is None else norm
 
 
-def after_load(engine, folder, rank, args, step, device):
+def after_load(engine, folder, rank, train, step, device):
     """What load_checkpoint leaves to us: each rank's random state (dropout) as saved, a fresh stream for a rank the
     checkpoint did not have; and repairs of DeepSpeed 0.19.8's universal load: where each `step` lives
     (place_optimizer_steps), and under ZeRO-3 (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3) the first
-    group's settings given to every parameter group (weight decay on biases and norms)."""
+    group's settings given to every parameter group (weight decay on biases and norms). `train`: flags.Train."""
     path = (folder.parent if folder.name == "universal" else folder) / f"rng-{rank}.pt"
     if path.exists():
         checkpoints.set_rng_state(checkpoints.load(path), device)
     else:
-        torch.manual_seed(args.seed + 1_000_003 * step + rank)
+        torch.manual_seed(train.seed + 1_000_003 * step + rank)
     if folder.name != "universal":
         return
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer inside ZeRO's
     mends.place_optimizer_steps(optimizer)
     if engine.zero_optimization_partition_weights():
-        for group, decay in zip(optimizer.param_groups, (args.weight_decay, 0.0)):  # training.param_groups' order
+        for group, decay in zip(optimizer.param_groups, (train.weight_decay, 0.0)):  # training.param_groups' order
             group["weight_decay"] = decay

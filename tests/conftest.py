@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -215,6 +216,17 @@ def held_open():
     return held
 
 
+def stop_everything(launcher):
+    """Kill a launcher and everything under it."""
+    children = []
+    with contextlib.suppress(psutil.NoSuchProcess):  # any of them may end between the listing and the kill
+        children = psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    launcher.kill()
+
+
 def check(result):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     return result
@@ -246,8 +258,8 @@ def documents_loss(model, argv, split, indices=None):
     import torch.nn.functional as F
 
     from finetune import blocks, data, models
-    args = load_script("single-gpu.py").parse_args(argv)
-    split_blocks = data.prepare(args, models.load_tokenizer(args.model))[0 if split == "train" else 1]
+    config = load_script("single-gpu.py").parse_args(argv)
+    split_blocks = data.prepare(config.data, models.load_tokenizer(config.model.model))[0 if split == "train" else 1]
     total, count = torch.zeros((), dtype=torch.float64), 0
     for i in range(len(split_blocks)) if indices is None else indices:
         start, length = int(split_blocks.starts[i]), int(split_blocks.lengths[i])

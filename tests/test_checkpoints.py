@@ -257,10 +257,10 @@ def test_final_best_is_the_checkpoint_publish_kept(tmp_path):
     model.load_state_dict(weights_at[6])
     stats = SimpleNamespace(step=6, evals=[[2, 0.5], [3, 0.2], [4, 0.3], [6, 0.4]], rank=0, ranks=1, final_step=None)
     said = []
-    checkpoints.load_best(model, tmp_path, stats, SimpleNamespace(final="best"), 1, said.append)
+    checkpoints.load_best(model, tmp_path, stats, "best", 1, said.append)
     assert stats.final_step == 3 and torch.equal(model.weight, weights_at[3]["weight"]), said
     stats.evals[-1][1] = 0.2  # the last step as good: the model in memory, no load
-    checkpoints.load_best(model, tmp_path, stats, SimpleNamespace(final="best"), 1, said.append)
+    checkpoints.load_best(model, tmp_path, stats, "best", 1, said.append)
     assert stats.final_step == 3  # the earliest of equals
 
 

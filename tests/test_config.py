@@ -1,5 +1,4 @@
 """The DeepSpeed config: "auto" filled from the flags, the optimizer nothing has to compile, offload checks."""
-import argparse
 import json
 import types
 
@@ -26,9 +25,10 @@ def layer_params(hidden):
 
 
 def ds_args(path=ZERO3, **kw):
-    base = dict(deepspeed=path, batch_size=4, grad_accum=2, max_grad_norm=1.0, lr=2e-4, weight_decay=0.01,
-                precision="fp32", zero_stage=None, offload=None, nvme_path="/nvme")
-    return argparse.Namespace(**{**base, **kw})
+    """zero-optimization.py's Config for `path`, with these values."""
+    values = dict(batch_size=4, grad_accum=2, max_grad_norm=1.0, lr=2e-4, weight_decay=0.01, precision="fp32",
+                  nvme_path="/nvme")
+    return load_script("zero-optimization.py").parse_args(["--deepspeed", path]).resolved(**{**values, **kw})
 
 
 def test_auto_values_come_from_the_flags():

@@ -1,6 +1,5 @@
 """The data layer: formats found from the columns, loss masks, packing that isolates documents, batches, the
 prepared-once cache, loading. In process, on tiny models."""
-import argparse
 import json
 
 import datasets
@@ -10,17 +9,14 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
                           OPTConfig)
 
-from finetune import blocks, data, loss, models, training
+from finetune import blocks, data, flags, loss, models, training
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
 
 def data_args(dataset, **kw):
-    base = dict(dataset=str(dataset), dataset_config=None, seed=0, max_train_samples=0, block_size=32,
-                packing="isolated", train_on_prompt=False, text_column=None, prompt_column=None,
-                completion_column=None, messages_column=None, num_proc=0, model="tiny", eval_dataset=None,
-                eval_fraction=0.05, max_eval_samples=0)
-    return argparse.Namespace(**{**base, **kw})
+    """flags.Data: the defaults but a seed of 0, 32-token blocks and every held-out row."""
+    return flags.defaults(**{"dataset": str(dataset), "seed": 0, "block_size": 32, "max_eval_samples": 0, **kw}).data
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +135,12 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     torch.manual_seed(0)
     config = next(tiny_models(len(tokenizer)))[1]  # OPT, 256 positions, random weights
     model = loss.attach(AutoModelForCausalLM.from_config(config), 16)
-    args = argparse.Namespace(batch_size=4, loss_chunk=16)
+    process = training.Process(torch.device("cpu"), 0, 1, torch.autocast("cpu", enabled=False),
+                               tokenizer.pad_token_id, model.config)
     sums = {}
     for packing in ("isolated", "none"):
         _, evals = data.prepare(data_args(tiny["chats"], block_size=256, packing=packing), tokenizer)
-        sums[packing] = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, torch.device("cpu"),
-                                                model.config, torch.autocast("cpu", enabled=False))
+        sums[packing] = training.eval_loss_sums(model, evals, 4, process)
     assert sums["isolated"][1] == sums["none"][1] > 0  # the same tokens carry loss
     assert (sums["isolated"][0] / sums["isolated"][1]).item() == pytest.approx(
         (sums["none"][0] / sums["none"][1]).item(), rel=1e-5)
@@ -153,8 +149,7 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     from torch._dynamo.utils import counters
     model.compile(backend="eager")
     frames = counters["frames"]["total"]
-    compiled = training.eval_loss_sums(model, evals, args, tokenizer.pad_token_id, torch.device("cpu"), model.config,
-                                       torch.autocast("cpu", enabled=False))
+    compiled = training.eval_loss_sums(model, evals, 4, process)
     answer = models._generate(model, tokenizer, tokenizer("Review:")["input_ids"], torch.device("cpu"),
                               torch.autocast("cpu", enabled=False), max_new_tokens=3)
     assert counters["frames"]["total"] == frames and isinstance(answer, str)

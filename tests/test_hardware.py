@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import blocks, checkpoints, data, distributed, hardware, mends, zero
+from conftest import load_script
+from finetune import blocks, checkpoints, data, distributed, flags, hardware, mends, zero
 from finetune.hardware import Facts
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -267,15 +268,14 @@ def test_mixtures_of_experts_are_zero3_leaf_modules_found_by_their_structure(tmp
     olmoe, gpt_oss = OlmoeConfig(**small, num_experts=4), GptOssConfig(**small, num_local_experts=4, head_dim=8)
     assert zero.moe_blocks(zero.meta_model(olmoe))[-1:] == ["OlmoeSparseMoeBlock"]
     assert zero.moe_blocks(zero.meta_model(gpt_oss))[-1:] == ["GptOssMLP"]
-    args = argparse.Namespace(deepspeed=str(zero.DEFAULT_CONFIG), zero_stage=3, offload=None, precision="fp32",
-                              batch_size=1, grad_accum=1, max_grad_norm=1.0, lr=1e-3, weight_decay=0.0)
+    args = load_script("zero-optimization.py").parse_args(["--zero-stage", "3", "--precision", "fp32", "--batch-size",
+                                                            "1", "--lr", "1e-3"])
     assert "OlmoeSparseMoeBlock" in zero.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"][
         "classes"]
     own = json.loads(open(zero.DEFAULT_CONFIG).read())
     own["zero_optimization"]["leaf_module"] = {"classes": []}  # off
     (tmp_path / "ds.json").write_text(json.dumps(own))
-    args.deepspeed = str(tmp_path / "ds.json")
-    assert zero.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"] == {"classes": []}
+    assert zero.deepspeed_config(args.resolved(deepspeed=str(tmp_path / "ds.json")), 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"] == {"classes": []}
 
 
 def test_a_mixture_of_experts_computes_its_experts_in_the_runs_16_bits(tmp_path, monkeypatch):
@@ -299,8 +299,8 @@ def test_a_mixture_of_experts_computes_its_experts_in_the_runs_16_bits(tmp_path,
                         lambda a, b, **kwargs: seen.append((a.dtype, b.dtype)) or grouped_mm(a, b, **kwargs))
     operands = {}
     for precision in ("fp32", "bf16"):  # fp32: transformers' default kernel, as every run had it
-        args = argparse.Namespace(model=str(tmp_path), precision=precision, lora_rank=0)
-        model = models.load_causal_lm(args, AutoConfig.from_pretrained(tmp_path), torch.device("cpu"))
+        settings = flags.defaults(model=str(tmp_path), precision=precision).model
+        model = models.load_causal_lm(settings, AutoConfig.from_pretrained(tmp_path), torch.device("cpu"))
         seen.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(input_ids=torch.arange(16).view(2, 8)).logits

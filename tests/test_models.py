@@ -138,10 +138,10 @@ def test_the_ranks_route_to_different_experts(matrix, tiny, name):
 
     from finetune import data
 
-    args = single.parse_args(matrix[name]["argv"])
+    config = single.parse_args(matrix[name]["argv"])
     model = AutoModelForCausalLM.from_pretrained(matrix[name]["model"]).eval()
-    train = data.prepare(args, models.load_tokenizer(args.model))[0]
-    first = training.GlobalBatches(len(train), 8, args.seed)(0)[:4]  # micro-step 1: 2 rows for each of 2 ranks
+    train = data.prepare(config.data, models.load_tokenizer(config.model.model))[0]
+    first = training.GlobalBatches(len(train), 8, config.train.seed)(0)[:4]  # micro-step 1: 2 rows for each of 2 ranks
     chosen = []
     experts_modules = [m for m in model.modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
     hooks = [m.register_forward_pre_hook(lambda module, args: chosen[-1].append(args[1].flatten())) for m in
@@ -164,7 +164,8 @@ def lora_adapted(model_folder, argv):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_folder)
-    adapted = models.prepare_model(model, single.parse_args(argv + ["--lora-rank", "4"]))
+    config = single.parse_args(argv + ["--lora-rank", "4"])
+    adapted = models.prepare_model(model, config.model, config.train.seed)
     names = {}
     for name, module in adapted.named_modules():
         if hasattr(module, "lora_A") and len(module.lora_A):

@@ -63,7 +63,7 @@ def plan_args(model, gpus, memory, *extra):
     import argparse
     p = {"model": model, "gpus": gpus, "nodes": 1, "gpu_memory": memory, "cpu_memory": None, "precision": "bf16",
          "batch_size": 8, "block_size": 512, "gradient_checkpointing": False, "loss_chunk": 2048, "lora_rank": 0,
-         "lora_targets": "all-linear", "sequence_parallel": 1}
+         "lora_targets": "all-linear", "sequence_parallel": 1, "load_in_4bit": False, "load_in_8bit": False}
     for k, v in extra:
         p[k] = v
     return argparse.Namespace(**p)

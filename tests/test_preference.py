@@ -1,7 +1,6 @@
 """Preference pairs (DPO): the formats found from the columns, a pair packed whole, the truncation rule, bad input; the
 loss and its gradient against the DPO formula computed with stock transformers in float64; packed = unpacked; ZeRO
 0-3 (and LoRA under ZeRO-3) on 2 ranks = one process; resume exact, from the reference kept with the run."""
-import argparse
 import json
 import re
 import math
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
-from finetune import blocks, data, demo, loss, preference, training
+from finetune import blocks, data, demo, flags, loss, preference, training
 from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
@@ -45,11 +44,7 @@ def dpo_args(pairs, out, **overrides):
 
 
 def data_args(path, **kw):
-    base = dict(dataset=str(path), dataset_config=None, seed=0, max_train_samples=0, block_size=BLOCK,
-                packing="isolated", train_on_prompt=False, text_column=None, prompt_column=None,
-                completion_column=None, messages_column=None, num_proc=0, model="tiny", eval_dataset=None,
-                eval_fraction=0.05, max_eval_samples=0)
-    return argparse.Namespace(**{**base, **kw})
+    return flags.defaults(**{"dataset": str(path), "seed": 0, "block_size": BLOCK, "max_eval_samples": 0, **kw}).data
 
 
 def sequences(split):
@@ -233,9 +228,9 @@ def test_bad_pairs_are_skipped_and_counted_and_the_rest_train(pairs, tmp_path):
 @pytest.mark.quick
 def test_sequence_parallelism_is_refused_with_pairs(pairs, tmp_path):
     splits = data.prepare(data_args(pairs["strings"]), pairs["tokenizer"])
-    args = argparse.Namespace(sequence_parallel=2, resume=None, beta=0.1, batch_size=2)
+    config = load_script("zero-optimization.py").parse_args(["--sequence-parallel", "2"])
     with pytest.raises(SystemExit, match="drop --sequence-parallel"):
-        preference.reference(None, splits, args, tmp_path, 1, torch.device("cpu"), None, None)
+        preference.reference(None, splits, config, tmp_path, None)
     assert not (tmp_path / "reference.pt").exists()
 
 
@@ -330,8 +325,7 @@ def test_the_first_step_is_ln2_with_the_formulas_gradient_and_the_reference_is_k
     assert r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)
     assert r["losses"][-1] < r["losses"][1] and r["rewards/margins"][-1] > 0  # it learns to prefer the chosen
     # the gradient of step 1 against the formula's, with stock transformers in float64 on the loaded model
-    args = single.parse_args(dpo_args(pairs, out))
-    train = data.prepare(args, pairs["tokenizer"])[0]
+    train = data.prepare(single.parse_args(dpo_args(pairs, out)).data, pairs["tokenizer"])[0]
     first = training.GlobalBatches(len(train), 8, 42)(0).numpy()
     ids = train.pair_ids(first)
     stock = AutoModelForCausalLM.from_pretrained(pairs["model"], dtype=torch.float64).eval()

@@ -66,7 +66,7 @@ def test_the_gradients_are_those_of_the_dequantized_base(tiny, wide, qlora):
     torch.manual_seed(42)  # the run's --seed, before the adapters are made
     model = get_peft_model(nf4_round_trip(wide, torch.float32), LoraConfig(
         r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")).double()
-    train = single.data.prepare(single.parse_args(argv), single.models.load_tokenizer(wide))[0]
+    train = single.data.prepare(single.parse_args(argv).data, single.models.load_tokenizer(wide))[0]
     first = training.GlobalBatches(len(train), 8, 42)(0)
     total, _ = documents_loss(model, argv, "train", first.tolist())
     loss = total / int(train.predicted[first].sum())
@@ -211,7 +211,7 @@ def test_bad_input(tiny, wide, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="quantizes a frozen base, which only LoRA trains over: add --lora-rank"):
         single.main(argv + ["--lora-rank", "0"])
     with pytest.raises(SystemExit, match="--load-in-8bit cannot be sharded by ZeRO-3"):
-        quantization.check(single.parse_args([a for a in argv if a != "--load-in-4bit"] + ["--load-in-8bit"]), 3)
+        quantization.check(single.parse_args([a for a in argv if a != "--load-in-4bit"] + ["--load-in-8bit"]).model, 3)
     with pytest.raises(SystemExit, match="quantized no layer of OPTForCausalLM.*drop --load-in-4bit"):
         quantization.keep_trainable(AutoModelForCausalLM.from_pretrained(wide), "--load-in-4bit")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)

@@ -16,7 +16,7 @@ import torch
 
 from finetune import checkpoints, hangs, training
 from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, free_port, launch, long_run,
-                      load_script, results, weights)
+                      load_script, results, stop_everything, weights)
 
 single = load_script("single-gpu.py")
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -56,16 +56,6 @@ def group_alive(pgid):
         return True
     except ProcessLookupError:
         return False
-
-
-def stop_everything(launcher):
-    children = []
-    with contextlib.suppress(psutil.NoSuchProcess):  # any of them may end between the listing and the kill
-        children = psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    launcher.kill()
 
 
 def signal_rank_1_after_a_checkpoint(launcher, out, sig, timeout):
@@ -371,10 +361,11 @@ def test_dist_timeout_below_its_minimum_is_one_line():
     """0 would make every collective, the rendezvous included, time out at once (a misleading 'another rank died')."""
     from finetune import distributed
 
-    for script in ("zero-optimization.py", "sequence_classification.py"):
-        args = load_script(script).parse_args(["--dist-timeout", "0", "--output-dir", "out/x"])
+    argv = ["--dist-timeout", "0", "--output-dir", "out/x"]
+    for flags in (load_script("zero-optimization.py").parse_args(argv).zero,
+                  load_script("sequence_classification.py").parse_args(argv)):
         with pytest.raises(SystemExit, match=r"^error: --dist-timeout must be at least 10 seconds .*got 0$"):
-            distributed.collective_settings(args)
+            distributed.collective_settings(flags.dist_timeout, "out/x")
 
 
 @pytest.mark.quick

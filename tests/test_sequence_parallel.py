@@ -167,8 +167,8 @@ def test_with_flash_attention_the_documents_laid_end_to_end_are_cut_into_the_sha
 
     from finetune import data, models
 
-    args = single.parse_args(chats(tiny, tiny["model"], "/tmp/unused", **{"--batch-size": 4}))
-    train = data.prepare(args, models.load_tokenizer(args.model))[0]
+    config = single.parse_args(chats(tiny, tiny["model"], "/tmp/unused", **{"--batch-size": 4}))
+    train = data.prepare(config.data, models.load_tokenizer(config.model.model))[0]
     flash = SimpleNamespace(_attn_implementation="flash_attention_2")
     rows = [0, 1, 2, 3]
     whole, (targets, _) = train.batch(rows, 0, torch.device("cpu"), flash)

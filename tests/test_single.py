@@ -46,9 +46,9 @@ def test_export_reloads_with_stock_transformers(tmp_path, tiny):
     r = results(out)
     total, count = independent_loss(out / "final", argv, "eval")
     assert total / count == pytest.approx(r["eval_loss"], rel=1e-5)
-    args = single.parse_args(argv)
-    train = data.prepare(args, models.load_tokenizer(args.model))[0]
-    first = training.GlobalBatches(len(train), 4 * 2, args.seed)(0)  # the first step's 8 sequences
+    config = single.parse_args(argv)
+    train = data.prepare(config.data, models.load_tokenizer(config.model.model))[0]
+    first = training.GlobalBatches(len(train), 4 * 2, config.train.seed)(0)  # the first step's 8 sequences
     total, count = independent_loss(tiny["model"], argv, "train", first.tolist())  # before any update
     assert total / count == pytest.approx(r["losses"][0], rel=1e-5)
     final = out / "final"
