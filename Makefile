@@ -1,5 +1,5 @@
 # make demo: train the tiny demo model with both scripts and the classifier (CPU is enough); make test: the suite;
-# make test-quick: its in-process tier, for the edit loop.
+# make test-quick: its in-process tier, for the edit loop; make lint: ruff's checks (both tests run it first).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export DS_ACCELERATOR ?= $(if $(shell command -v nvidia-smi),cuda,cpu)
 DEEPSPEED := $(VENV)/bin/deepspeed --log_level error --num_gpus $(DEMO_RANKS)
 
-.PHONY: demo test test-quick clean
+.PHONY: demo test test-quick lint clean
 
 $(VENV)/installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,11 +40,15 @@ $(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt
 # two files at a time (tests/conftest.py orders them); TEST_WORKERS=0 runs one test after another. The 15 slowest
 # steps are listed at the end: where a new test's time goes
 TEST_WORKERS ?= 2
-test: $(VENV)/tests-installed
+test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
-test-quick: $(VENV)/tests-installed
+test-quick: lint
 	$(PY) -m pytest -q -m quick tests
+
+# ruff's checks (pyproject.toml), a second and no test's time
+lint: $(VENV)/tests-installed
+	$(VENV)/bin/ruff check --quiet .
 
 clean:
 	rm -rf $(VENV) out .demo

@@ -33,7 +33,7 @@ OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096),
 HEADROOM = 0.9  # of GPU memory usable by tensors: the CUDA context, allocator fragmentation and buffers take the rest
 REUSE_DISTANCE = 1e9  # ds_config_zero3.json's stage3_max_reuse_distance: gathered parameters kept this long
 SUB_GROUP = MAX_IN_CPU = 10**9  # ZeRO-3's sub_group_size, offload_param.max_in_cpu (DeepSpeed's defaults)
-ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket is max(hidden^2, this) elements (finetune/zero.py), during backward only
+ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket: max(hidden^2, this) elements (finetune/zero.py), in backward only
 OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload",
            "ZeRO-3 + NVMe offload"]  # fastest first
 
@@ -77,7 +77,7 @@ def meta_model(config, lora_rank=0, lora_targets="all-linear"):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
             quantized = [m.weight for m in quantized_layers(model)]  # before the adapters wrap the layers
-            if lora_rank:  # the adapters the scripts add (finetune/models.py: the experts' too, in a mixture of experts)
+            if lora_rank:  # the adapters the scripts add (finetune/models.py: the experts' too, in a mixture of them)
                 from peft import LoraConfig, get_peft_model
                 targets, experts = models.lora_targets(model, lora_targets)
                 model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets,
@@ -189,7 +189,8 @@ def nvme_buffers(params, ranks, b):
     largest = max(k for k, _ in params)
     p_train = sum(math.ceil(k / ranks) for k, t in params if t)
     sub_group = min(p_train, SUB_GROUP + math.ceil(largest / ranks))
-    return b * min(p_train, MAX_IN_CPU) + b * p_train + 4 * 4 * sub_group + 5 * b * swap_buffer_elements(largest, ranks, b)
+    return (b * min(p_train, MAX_IN_CPU) + b * p_train + 4 * 4 * sub_group
+            + 5 * b * swap_buffer_elements(largest, ranks, b))
 
 
 def norm_copy_bytes(params, ranks):
@@ -234,9 +235,9 @@ def activations(batch, seq, config, precision, checkpointing, loss_chunk, sequen
 
 
 def logits_bytes(tokens, vocab, precision, loss_chunk):
-    """The logits' bytes at their peak. In chunks (finetune/loss.py): one chunk's fp32 logits, overwritten by their gradient,
-    and its 16-bit copy for the matmuls. All at once (transformers' loss): the logits, their fp32 copy in 16-bit runs,
-    the log-softmax saved for backward and its gradient."""
+    """The logits' bytes at their peak. In chunks (finetune/loss.py): one chunk's fp32 logits, overwritten by their
+    gradient, and its 16-bit copy for the matmuls. All at once (transformers' loss): the logits, their fp32 copy in
+    16-bit runs, the log-softmax saved for backward and its gradient."""
     sixteen = precision not in ("fp32", "tf32")
     if loss_chunk:
         return min(tokens, loss_chunk) * vocab * (6 if sixteen else 4)
@@ -347,7 +348,8 @@ def main(argv=None):
     lora = f", LoRA rank {args.lora_rank}: {trainable / 1e6:.1f}M trainable" if args.lora_rank else ""
     lora += f" over a {quantization.bits(args)}-bit base" if quantization.bits(args) else ""
     active = active_parameters(config)
-    moe = f" ({active / 1e9:.2f}B active per token: all experts' states, the active ones' activations)" if active else ""
+    moe = f" ({active / 1e9:.2f}B active per token: all experts' states, the active ones' activations)" if active \
+        else ""
     print(f"{args.model}: {total / 1e9:.2f}B parameters{moe}{lora}; {args.nodes} node(s) x {args.gpus} GPU(s) of "
           f"{args.gpu_memory:g} GiB; {args.precision}, micro-batch {args.batch_size} x {args.block_size} tokens, "
           f"activations {rows[0]['activations_bytes_per_gpu'] / GiB:.1f} GiB per GPU"

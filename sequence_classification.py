@@ -10,7 +10,6 @@ Places to tune are marked `To-Do:`.
 """
 import argparse
 import contextlib
-import logging
 import os
 import shutil
 import time
@@ -19,14 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# importing the Trainer imports bitsandbytes, whose CPU backend warns on every rank that an optional package of hub
-# kernels is missing (it runs its own); before training.quiet can, and whatever --verbose says: not ours to show
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+# finetune before the Trainer: importing the Trainer imports bitsandbytes, whose notice finetune/__init__.py quiets
+from finetune import checkpoints, data, demo, distributed, hardware, models, training, zero
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-from finetune import checkpoints, data, demo, distributed, hardware, models, training, zero
 
 
 def class_labels(train, evaluation, column, name):
@@ -77,7 +73,8 @@ def trainer_deepspeed_config(path, device, hidden_size, args):
     config = zero.choose_optimizer(zero.read_config(path), device.type == "cuda")
     section = config.get("zero_optimization", {})
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    for key, value in zero.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda", world_size).items():
+    tuned = zero.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda", world_size)
+    for key, value in tuned.items():
         if section.get(key) == "auto":
             section[key] = value
     return config, trainer_optimizer(config, args, path)
@@ -244,7 +241,8 @@ def main(argv=None):
     resume = check_trainer_resume(out / "checkpoints", world_size, args.deepspeed, rank) if args.resume else None
     if resume:
         say(f"resuming from {resume.name}")
-    timeout = distributed.collective_settings(args.dist_timeout, args.output_dir)  # before any process group: the bound on every collective
+    # before any process group: the bound on every collective
+    timeout = distributed.collective_settings(args.dist_timeout, args.output_dir)
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         deepspeed.init_distributed(timeout=timeout)
     stop = StopOnSignal(checkpoints.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75

@@ -23,7 +23,8 @@ if rank == 0:
     world.log(f"blocking ring: token came back as {token.item():.0f}")
 else:
     dist.recv(token, src=left)
-    world.log(f"blocking ring: got {token.item():.0f} from rank {left}, passing {token.item() + rank:.0f} to rank {right}")
+    world.log(f"blocking ring: got {token.item():.0f} from rank {left}, "
+              f"passing {token.item() + rank:.0f} to rank {right}")
     token += rank
     dist.send(token, dst=right)
 if rank == 0:

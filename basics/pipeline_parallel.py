@@ -59,5 +59,6 @@ if last:
     world.log(f"pipeline loss {loss.item():.6f}, unsplit model {reference_loss.item():.6f}")
     world.check("pipeline loss equals the unsplit model's", torch.allclose(loss, reference_loss, atol=1e-6))
 world.check(f"stage {rank} gradients equal the unsplit model's layer {rank}",
-            all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(stage.parameters(), model[rank].parameters())))
+            all(torch.allclose(p.grad, q.grad, atol=1e-6)
+                for p, q in zip(stage.parameters(), model[rank].parameters())))
 world.finish()

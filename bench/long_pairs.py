@@ -58,7 +58,8 @@ def main(argv=None):
     run = out / f"run-{Path(args.root).resolve().name}-{shape}"
     done = subprocess.run([sys.executable, "single-gpu.py", f"--model={out / 'model'}", f"--dataset={train}",
                            f"--eval-dataset={held}", "--max-eval-samples=0", "--block-size=512", "--batch-size=8",
-                           f"--epochs={args.epochs}", f"--lr={args.lr}", "--log-every=50", "--save-every=0", "--prompt=",
+                           f"--epochs={args.epochs}", f"--lr={args.lr}", "--log-every=50", "--save-every=0",
+                           "--prompt=",
                            f"--output-dir={run}", "--overwrite"], cwd=args.root, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"error: the run failed:\n{done.stderr[-2000:]}")

@@ -134,7 +134,8 @@ class Blocks:
         self.reference, self.beta = None, None  # the pairs' reference log-probabilities (preference.reference)
         if len(self.starts) == 0 or self.predicted.sum() == 0:
             cut = f"; {self.cut} documents were cut at the block size: raise --block-size" if self.cut else ""
-            fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked everywhere{cut})")
+            fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked "
+                 f"everywhere{cut})")
 
     def __len__(self):
         return len(self.starts)

@@ -251,7 +251,8 @@ def reference(model, splits, config, out, process):
 
 
 REFERENCE_INPUTS = {"pairs": "dataset, rows or cut (--dataset, --eval-dataset, --block-size, --packing, ...)",
-                    "model": "--model", "lora_rank": "--lora-rank", "base": "quantized base", "precision": "--precision"}
+                    "model": "--model", "lora_rank": "--lora-rank", "base": "quantized base",
+                    "precision": "--precision"}
 
 
 def fingerprint(splits, model):

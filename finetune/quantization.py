@@ -2,8 +2,6 @@
 bitsandbytes, the adapters and their optimizer state in full precision (--load-in-4bit, --load-in-8bit). What a run
 must do so that the numbers stay right: the checks, the loading config, no CPU repacking, and the export's weights
 back in full precision."""
-import torch
-
 from .base import fail
 
 # NF4 with double quantization as bitsandbytes makes it: a scale per 64 weights, a second-level scale per 256 of those

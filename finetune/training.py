@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import hangs, hardware, loss, models, preference, quantization, tracking
+from . import hangs, hardware, loss, models, preference, tracking
 from .base import ROOT, fail, write_json  # noqa: F401 (the scripts' training.fail, training.write_json)
 from .blocks import rank_batches
 
@@ -41,7 +41,6 @@ def quiet(verbose, rank):
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING if rank == 0 else logging.ERROR)
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # on a CPU: an optional kernels package is missing
     ds_comm = sys.modules.get("deepspeed.comm.torch")
     if ds_comm is not None and not getattr(ds_comm.build_shm_op, "quiet", False):
         ds_comm.build_shm_op = _without_print(ds_comm.build_shm_op)

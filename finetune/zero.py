@@ -267,10 +267,10 @@ def size_swap_buffers(config, path, largest, world_size, bytes_per_element):
 
 def choose_optimizer(config, cuda):
     """Fill the optimizer's "torch_adam" and "fused" when "auto": torch's fused AdamW (on GPUs and CPUs), which nothing
-    has to compile, unless the optimizer state is offloaded. Without "torch_adam", DeepSpeed builds its FusedAdam with nvcc on
-    the first run (a minute; and every run fails on a machine whose torch came from PyPI without the CUDA toolkit).
-    With offload, the step runs on the CPU in DeepSpeedCPUAdam, which DeepSpeed compiles with the system's C++
-    compiler on first use (job/preflight.py --offload checks for what it needs)."""
+    has to compile, unless the optimizer state is offloaded. Without "torch_adam", DeepSpeed builds its FusedAdam with
+    nvcc on the first run (a minute; and every run fails on a machine whose torch came from PyPI without the CUDA
+    toolkit). With offload, the step runs on the CPU in DeepSpeedCPUAdam, which DeepSpeed compiles with the system's
+    C++ compiler on first use (job/preflight.py --offload checks for what it needs)."""
     params = config.get("optimizer", {}).get("params", {})
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
     if offload:

@@ -88,7 +88,7 @@ def limits_problem(host, slots, memlock, infiniband, gpus):
                 f"unlimited' to /etc/security/limits.conf there (containers: --ulimit memlock=-1)")
     if gpus != "-" and int(gpus) != slots:
         return (f"{gpus} GPUs for {slots} slots: set '{host} slots={gpus}' in the hostfile" if int(gpus) else
-                f"nvidia-smi sees no GPU: check the driver there")
+                "nvidia-smi sees no GPU: check the driver there")
     return None
 
 

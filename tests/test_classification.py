@@ -63,7 +63,8 @@ def assert_same_training(one, two, resumed_at=None):
     assert [h["step"] for h in one["train_log"]] == [h["step"] for h in two["train_log"]]
     window = [h["step"] > resumed_at for h in one["train_log"]].index(True) if resumed_at else None
     for key in ("loss", "grad_norm"):
-        values = [[h[key] for i, h in enumerate(run["train_log"]) if key != "loss" or i != window] for run in (one, two)]
+        values = [[h[key] for i, h in enumerate(run["train_log"]) if key != "loss" or i != window]
+                  for run in (one, two)]
         assert_close_losses(*values)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
 

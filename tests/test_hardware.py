@@ -64,7 +64,8 @@ def test_more_processes_than_gpus_is_one_line():
 
 
 @pytest.mark.parametrize("name, precision, peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "tf32", 495), ("NVIDIA H100 80GB HBM3", "fp32", 67),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "tf32", 495),
+    ("NVIDIA H100 80GB HBM3", "fp32", 67),
     ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "fp32", 60), ("NVIDIA H200", "bf16", 989),
     ("NVIDIA H200 NVL", "bf16", 835), ("NVIDIA GH200 480GB", "bf16", 989), ("NVIDIA B200", "bf16", 2250),
     ("NVIDIA H800", "bf16", 989), ("NVIDIA H800 PCIe", "bf16", 756), ("NVIDIA A100-SXM4-40GB", "bf16", 312),
@@ -109,7 +110,8 @@ def test_attention_implementation_for_the_hardware():
     assert hardware.attention(H100, "bf16", True, True) == "flash_attention_2"
     assert hardware.attention(H100, "fp32", True, True) is None  # FlashAttention runs in 16 bits only
     assert hardware.attention(V100, "fp16", True, True) is None  # FlashAttention-2 needs Ampere
-    assert hardware.attention(H100, "bf16", False, True) is None and hardware.attention(H100, "bf16", True, False) is None
+    assert hardware.attention(H100, "bf16", False, True) is None
+    assert hardware.attention(H100, "bf16", True, False) is None
     assert blocks.attention_layout("flash_attention_2") == "varlen" and blocks.attention_layout("sdpa") == "bool"
     assert blocks.attention_layout("eager") == "additive" and blocks.attention_layout(None) == "bool"
 
@@ -275,7 +277,8 @@ def test_mixtures_of_experts_are_zero3_leaf_modules_found_by_their_structure(tmp
     own = json.loads(open(zero.DEFAULT_CONFIG).read())
     own["zero_optimization"]["leaf_module"] = {"classes": []}  # off
     (tmp_path / "ds.json").write_text(json.dumps(own))
-    assert zero.deepspeed_config(args.resolved(deepspeed=str(tmp_path / "ds.json")), 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"] == {"classes": []}
+    own_config = zero.deepspeed_config(args.resolved(deepspeed=str(tmp_path / "ds.json")), 2, 10, 1, olmoe)
+    assert own_config["zero_optimization"]["leaf_module"] == {"classes": []}
 
 
 def test_a_mixture_of_experts_computes_its_experts_in_the_runs_16_bits(tmp_path, monkeypatch):

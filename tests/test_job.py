@@ -30,7 +30,8 @@ def hosts_unavailable():
                                         ("ssh-keygen", shutil.which("ssh-keygen")), ("ip", shutil.which("ip")))
                if not found]
     if missing:
-        return f"{', '.join(missing)} missing (.ci/run installs openssh-server, pdsh and iproute2 from Debian's packages)"
+        return (f"{', '.join(missing)} missing (.ci/run installs openssh-server, pdsh and iproute2 from Debian's "
+                f"packages)")
     if os.geteuid() != 0:
         return "making network namespaces needs root"
     return None
@@ -121,7 +122,8 @@ def test_two_hosts_over_ssh_train_and_a_host_lost_mid_run_ends_the_job_and_the_f
     hostfile, out, log = tmp_path / "hostfile", tmp_path / "run", tmp_path / "log"
     hostfile.write_text("".join(f"{a} slots=1\n" for a in hosts["addresses"]))
     argv = long_run(tiny, out, "--dist-timeout", "20", "--zero-stage", "3")
-    cmd = [Path(sys.executable).parent / "deepspeed", f"--hostfile={hostfile}", f"--master_addr={hosts['addresses'][0]}",
+    cmd = [Path(sys.executable).parent / "deepspeed", f"--hostfile={hostfile}",
+           f"--master_addr={hosts['addresses'][0]}",
            f"--master_port={free_port()}", "zero-optimization.py", *argv]
     launcher = subprocess.Popen(hosts["on"](1, cmd), cwd=ROOT, env=hosts["env"], stdout=open(log, "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -151,7 +153,8 @@ def test_two_hosts_over_ssh_train_and_a_host_lost_mid_run_ends_the_job_and_the_f
             break
         time.sleep(0.1)
     assert not left, [Path(f"/proc/{pid}/cmdline").read_text() for pid in left]
-    for pid in subprocess.run(["ip", "netns", "pids", hosts["names"][1]], capture_output=True, text=True).stdout.split():
+    pids = subprocess.run(["ip", "netns", "pids", hosts["names"][1]], capture_output=True, text=True).stdout.split()
+    for pid in pids:
         if "zero-optimization" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
             os.kill(int(pid), signal.SIGKILL)  # the lost host's rank: its own timeout would end it later
     assert all(f"{a}:" in text for a in hosts["addresses"])  # pdsh ran a launcher on each host
@@ -226,14 +229,16 @@ def test_the_shipped_hostfile_parses():
 def test_slurm_script_writes_the_hostfile_and_the_launch(tmp_path, launcher):
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    (fake / "scontrol").write_text('#!/bin/sh\n'
+                                   '[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
     (fake / "scontrol").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]",
            "SLURM_JOB_ID": "42", "SLURM_SUBMIT_DIR": str(ROOT), "GPUS_PER_NODE": "4", "DRY_RUN": "1",
            "HOSTFILE": str(tmp_path / "hostfile"), "LAUNCHER": launcher, "SLURM_CPUS_PER_TASK": "32"}
     env.pop("MASTER_PORT", None)
     # the port is the job's own, the one distributed.slurm_env gives tasks srun starts without a launcher
-    port = distributed.slurm_env({**env, "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"})["MASTER_PORT"]
+    step = {**env, "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    port = distributed.slurm_env(step)["MASTER_PORT"]
     assert port == "20042"
     run = subprocess.run(["bash", str(ROOT / "job" / "slurm.sbatch"), "--model", "m", "--overwrite"], env=env,
                          capture_output=True, text=True)

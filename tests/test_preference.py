@@ -189,7 +189,7 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
 
 @pytest.mark.quick
 @pytest.mark.parametrize("rows, flags, message", [
-    ([{"prompt": "a", "chosen": "", "rejected": " b"}], {}, "can be trained on: 7 skipped (the chosen answer is empty)"),
+    ([{"prompt": "a", "chosen": "", "rejected": " b"}], {}, "trained on: 7 skipped (the chosen answer is empty)"),
     ([{"prompt": "a", "chosen": " b", "rejected": " b"}], {}, "7 skipped (chosen and rejected are the same"),
     ([{"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
        "rejected": [{"role": "user", "content": "c"}]}], {}, "the last turn of rejected is the user's"),
@@ -404,15 +404,15 @@ def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process
     lora = {"--lora-rank": 4, "--lora-alpha": 8, "--lr": 1e-2}
     cases = {0: {"--packing": "none"}, 1: {"--loss-chunk": 0}, 2: {"--eval-every": 1}, 3: {}, "lora": lora}
     argvs = []
-    for stage, flags in cases.items():
+    for stage, given in cases.items():
         extra = ["--gradient-checkpointing"] if stage == 3 else []
         argvs.append(dpo_args(pairs, tmp_path / f"zero-{stage}", **{
             "--batch-size": 2, "--grad-accum": 2, "--eval-every": 2, "--zero-stage": 3 if stage == "lora" else stage,
-            **flags}) + ["--deepspeed", *extra])
+            **given}) + ["--deepspeed", *extra])
     (tmp_path / "runs.json").write_text(json.dumps(argvs))
     check(launch("forked", "tests/zero_runs.py", [str(tmp_path / "runs.json")], timeout=900))
-    for stage, flags in cases.items():
-        one = one_process(**{k: v for k, v in flags.items() if k in ("--packing", "--lora-rank", "--lora-alpha",
+    for stage, given in cases.items():
+        one = one_process(**{k: v for k, v in given.items() if k in ("--packing", "--lora-rank", "--lora-alpha",
                                                                        "--lr")})
         a, b = results(one), results(tmp_path / f"zero-{stage}")
         assert b["world_size"] == 2 and b["global_batch_size"] == 8, stage

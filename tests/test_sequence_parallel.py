@@ -21,10 +21,11 @@ def chats(tiny, model, out, **more):
 
 
 def test_a_sequence_over_2_ranks_trains_as_one_process_and_resumes_with_another_n(tiny, tmp_path):
-    """A tiny Mistral (its layers attend to their last 16 tokens, 4 heads share 1 key/value head) on chats packed into blocks of 64, the loss on the
-    answers: ZeRO-2 with CPU offload and gradient checkpointing, each sequence over 2 ranks, gives one process's
-    losses, gradient norms, eval loss and weights. Resumed from its step-2 checkpoint without sequence parallelism
-    on 1 rank (DeepSpeed's universal checkpoint), it ends as the uninterrupted run."""
+    """A tiny Mistral (its layers attend to their last 16 tokens, 4 heads share 1 key/value head) on chats packed
+    into blocks of 64, the loss on the answers: ZeRO-2 with CPU offload and gradient checkpointing, each sequence
+    over 2 ranks, gives one process's losses, gradient norms, eval loss and weights. Resumed from its step-2
+    checkpoint without sequence parallelism on 1 rank (DeepSpeed's universal checkpoint), it ends as the
+    uninterrupted run."""
     from transformers import AutoTokenizer
 
     # one key/value head for 4 query heads: Ulysses repeats it for its 2 head shards; the eval then needs the model's
@@ -74,7 +75,8 @@ def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
     shards = [sp.shard(ids, positions, labels, rank, 2, torch.device("cpu")) for rank in (0, 1)]
     assert [s[0]["input_ids"].tolist() for s in shards] == [[[10, 11, 12], [20, 21, 22]], [[13, 14, 0], [23, 24, 0]]]
     assert [s[0]["position_ids"].tolist() for s in shards] == [[[0, 1, 2], [0, 1, 2]], [[0, 1, 0], [3, 4, 0]]]
-    assert [s[1][0].tolist() for s in shards] == [[[11, 12, -100], [-100, 22, 23]], [[14, -100, -100], [24, -100, -100]]]
+    assert [s[1][0].tolist() for s in shards] == [[[11, 12, -100], [-100, 22, 23]],
+                                                  [[14, -100, -100], [24, -100, -100]]]
     assert [s[1][1].tolist() for s in shards] == [[0, 1, 4, 5], [0, 3]]  # where the loss is, in each shard
     assert all(s[0][sp.SHARDED] for s in shards) and "attention_mask" not in shards[0][0]
     # each token's document in the whole padded rows, what every rank's attention sees after the all-to-all

@@ -171,7 +171,8 @@ def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, t
 
 def test_wandb_missing_or_logged_out_is_one_line(monkeypatch, tmp_path):
     """One line from rank 0; the other ranks leave with the same status and say nothing (none goes on into a
-    collective the others left). Logged out is asked without a deprecated call of wandb's (it warned beside our line)."""
+    collective the others left). Logged out is asked without a deprecated call of wandb's (it warned beside our
+    line)."""
     import sys
     import warnings
 

@@ -21,8 +21,8 @@ TOOLS = ("sbatch", "scontrol", "scancel", "slurmctld", "slurmd", "munged")
 def slurm(tmp_path_factory):
     """The environment under which sbatch reaches the test cluster."""
     missing = [tool for tool in TOOLS if not shutil.which(tool) and not os.path.exists(f"/usr/sbin/{tool}")]
-    problem = (f"{', '.join(missing)} missing (.ci/run installs slurmctld, slurmd, slurm-client and munge from Debian's "
-               f"packages)" if missing else "slurmd runs jobs as any user: the cluster needs root"
+    problem = (f"{', '.join(missing)} missing (.ci/run installs slurmctld, slurmd, slurm-client and munge from "
+               f"Debian's packages)" if missing else "slurmd runs jobs as any user: the cluster needs root"
                if os.geteuid() else None)
     if problem:
         if os.environ.get("CI"):  # CI must run the real SLURM, not skip it
