@@ -77,7 +77,7 @@ def main(argv=None):
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
     with stats.paused():  # preference pairs (DPO): the model as loaded scores them, once (not training time)
-        preference.reference(model, (train, evals), config, out, process)
+        train, evals = preference.reference(model, (train, evals), config, out, process)  # the pairs with theirs
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(config.data.packing)} | {total_steps} steps of {global_batch} "
         f"sequences ({training.split(config, world_size)}) | lr {config.train.lr:g} | {precision} | {device}")
@@ -90,11 +90,13 @@ def main(argv=None):
         predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(config.train.grad_accum, -1):
-            inputs, labels = train.batch(micro, tokenizer.pad_token_id, device, model_config)
+            inputs, targets = train.batch(micro, tokenizer.pad_token_id, device, model_config)
             with autocast:
-                batch_loss = loss.token_loss_sum(model, inputs, labels) / predicted
+                summed = loss.token_loss_sum(model, inputs, targets, config.train.beta)  # pairs: DPO's, with --beta
+                batch_loss = summed.loss / predicted
             scaler.scale(batch_loss).backward()
             step_loss += batch_loss.detach()
+            stats.micro_step(summed)  # progress, for the hang watchdog; preference pairs: their metrics' sums
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.max_grad_norm or math.inf)
         scaler.step(optimizer)  # fp16: skips the update when a gradient overflowed, and lowers the scale
@@ -109,7 +111,7 @@ def main(argv=None):
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))
         if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
             with stats.paused():  # every rank evaluates its share of the eval set
-                result = training.evaluate(model, evals, config.train.batch_size, process)
+                result = training.evaluate(model, evals, config.train, process)
                 answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
                     if stats.trackers.names else None  # a few eval prompts answered, for the trackers
             say(stats.eval_line(step, result, answers))

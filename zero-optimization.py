@@ -98,7 +98,7 @@ def main(argv=None):
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
 
     with stats.paused():  # preference pairs (DPO): the model as loaded scores them, once (not training time)
-        preference.reference(model, (train, evals), config, out, process)
+        train, evals = preference.reference(model, (train, evals), config, out, process)  # the pairs with theirs
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(config.data.packing)} | {total_steps} steps of {global_batch} "
         f"sequences ({training.split(config, world_size)}) | lr {config.train.lr:g} | {precision} | {device}")
@@ -111,16 +111,18 @@ def main(argv=None):
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(config.train.grad_accum, -1):
             share = micro.view(-1, config.train.batch_size)[rank // config.sequence_parallel]  # ZeRO: this replica's
-            inputs, labels = train.batch(share, tokenizer.pad_token_id, device, model_config,  # ZeRO: SP: its tokens
-                                         sequence_shard=zero.sequence_shard(rank, config.sequence_parallel))
+            inputs, targets = train.batch(share, tokenizer.pad_token_id, device, model_config,  # ZeRO: SP: its tokens
+                                          sequence_shard=zero.sequence_shard(rank, config.sequence_parallel))
             with autocast:
-                batch_loss = loss.token_loss_sum(model, inputs, labels) / predicted
+                summed = loss.token_loss_sum(model, inputs, targets, config.train.beta)  # pairs: DPO's, with --beta
+                batch_loss = summed.loss / predicted
             # ZeRO: the engine averages gradients over ranks and micro-steps; undo both, so the gradient is the
             # token mean over the global batch exactly as in single-gpu.py
             model.backward(batch_loss * zero.gradient_divisor(model, world_size, config.sequence_parallel),
                            scale_wrt_gas=False)
             model.step()  # ZeRO: at the last micro-step: clip, update, step the LR schedule, zero the gradients
             step_loss += batch_loss.detach()
+            stats.micro_step(summed)  # progress, for the hang watchdog; preference pairs: their metrics' sums
         grad_norm = zero.grad_norm(model)  # ZeRO: the engine's global norm before clipping, as clip_grad_norm_'s
         stats.end_step(step_loss, train, indices, grad_norm)
 
@@ -128,7 +130,7 @@ def main(argv=None):
             say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))
         if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
             with stats.paused():  # every rank evaluates its share of the eval set
-                result = training.evaluate(model, evals, config.train.batch_size, process)
+                result = training.evaluate(model, evals, config.train, process)
                 answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
                     if stats.trackers.names else None  # a few eval prompts answered, for the trackers
             say(stats.eval_line(step, result, answers))

@@ -1,8 +1,10 @@
 """Documents -> blocks -> batches: packing the tokenized documents of a split into blocks (--packing), written once as
 memory-mapped files, and the model's inputs and shifted targets for a batch of blocks, with the mask that keeps each
 document to itself (or FlashAttention's boundaries)."""
+import copy
 import inspect
 from bisect import bisect_left, insort
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -114,6 +116,23 @@ def write_split(batches, block_size, packing, folder, pairs=False):
     return int((lengths > block_size).sum()) if packing != "stream" else 0  # documents cut
 
 
+
+class Targets(NamedTuple):
+    """What the loss takes of a batch beside the model's inputs (Blocks.batch): the labels, shifted (-100: no loss),
+    and the flat index of the positions that carry loss. Preference pairs add each predicted token's answer (2 a
+    pair: chosen, rejected), the count of pairs, and their reference log-probabilities (None while those are
+    scored: the loss then returns the answers' log-probabilities)."""
+    labels: Any
+    index: Any
+    sequence: Any = None
+    pairs: int = 0
+    reference: Any = None
+
+    @property
+    def counted(self):
+        """What the loss is divided by over a batch: its pairs, or its tokens that carry loss."""
+        return self.pairs if self.sequence is not None else len(self.index)
+
 class Blocks:
     """A prepared split, memory-mapped. Per block: `lengths` (tokens), `predicted` (tokens that carry loss) and
     `attended` (the tokens each token attends to, summed: for the FLOPs count), known up front, so the loss
@@ -131,11 +150,18 @@ class Blocks:
         self.pairs_total = len(self.pieces) if self.pieces is not None else 0
         self.first_piece = np.cumsum(self.predicted) - self.predicted
         self.split_rows = self.pieces is not None and meta["packing"] == "none"  # a pair's sequences: two rows
-        self.reference, self.beta = None, None  # the pairs' reference log-probabilities (preference.reference)
+        self.reference = None  # the pairs' reference log-probabilities (with_reference)
         if len(self.starts) == 0 or self.predicted.sum() == 0:
             cut = f"; {self.cut} documents were cut at the block size: raise --block-size" if self.cut else ""
             fail(f"the {folder.name} split has no tokens to learn from (empty texts, or the loss masked "
                  f"everywhere{cut})")
+
+    def with_reference(self, scores):
+        """The same blocks with their pairs' reference log-probabilities, (pairs, 2) (preference.reference): a
+        column of the data, as TRL's precomputed reference log-probabilities are."""
+        scored = copy.copy(self)
+        scored.reference = scores
+        return scored
 
     def __len__(self):
         return len(self.starts)
@@ -188,7 +214,8 @@ class Blocks:
             bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
         if sequence_shard and sequence_shard[1] > 1:
             from . import sequence_parallel
-            return sequence_parallel.shard(ids, positions, labels, *sequence_shard, device, layout)
+            inputs, (labels, index) = sequence_parallel.shard(ids, positions, labels, *sequence_shard, device, layout)
+            return inputs, Targets(labels, index)
         segments = np.cumsum(starts, axis=-1)
         where_loss = np.flatnonzero(labels != -100)
         index = hardware.to_device(where_loss, device)
@@ -207,12 +234,12 @@ class Blocks:
                          & query[:, None, :, None])
             inputs["attention_mask"] = document_masks(same, config, layout, positions)
         if self.pieces is None:
-            return inputs, (labels, index)
+            return inputs, Targets(labels, index)
         # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
         pairs = self.pair_ids(indices) if carry_loss else np.zeros(0, np.int64)
         reference = self.reference[torch.from_numpy(pairs)].to(device) if self.reference is not None else None
-        return inputs, (labels, index, hardware.to_device(sequence.ravel()[where_loss], device), len(pairs),
-                        reference, self.beta)
+        return inputs, Targets(labels, index, hardware.to_device(sequence.ravel()[where_loss], device), len(pairs),
+                               reference)
 
     def pair_ids(self, indices):
         """The pairs (rows of the split) in these blocks, in the order their sequences lie in a batch of them."""

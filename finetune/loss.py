@@ -18,11 +18,12 @@ log-probabilities first, then the pairs' losses and the weight each token's grad
 pass over the chunks, unless the head is frozen) the weighted gradients.
 """
 import types
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import hangs, hardware
+from . import hardware
 
 # models whose logits are more than head(hidden): softcapped or scaled. They take the plain path.
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -50,26 +51,25 @@ def attach(model, chunk_tokens):
             if p is not None:
                 deepspeed.zero.register_external_parameter(inner, p)
 
-    def forward(self, *args, loss_targets=None, **kwargs):
+    def forward(self, *args, loss_targets=None, loss_beta=None, **kwargs):
         if loss_targets is None:  # generate(), or any other caller: the model as it was
             return original(*args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
         if not chunk_tokens:
-            return plain_loss(original(*args, **kwargs).logits, *loss_targets)
+            return plain_loss(original(*args, **kwargs).logits, loss_targets, loss_beta)
         hidden = self.base_model(*args, **kwargs)[0]
-        return chunked_loss(hidden, self.get_output_embeddings(), chunk_tokens, *loss_targets)
+        return chunked_loss(hidden, self.get_output_embeddings(), chunk_tokens, loss_targets, loss_beta)
 
     inner.forward = types.MethodType(forward, inner)  # on the instance: the state dict keeps its names
     return model
 
 
-def plain_loss(logits, labels, index, *pair_targets):
-    """The loss from the whole batch's logits. Preference pairs bring (the answer each predicted token is of, their
-    count, the reference, beta)."""
+def plain_loss(logits, targets, beta=None):
+    """The loss from the whole batch's logits; `targets`: blocks.Targets; `beta`: DPO's, for preference pairs."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
-    if pair_targets:
-        return plain_preference_loss(logits, labels, index, *pair_targets)
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    if targets.sequence is not None:
+        return plain_preference_loss(logits, targets, beta)
+    return F.cross_entropy(logits.flatten(0, 1), targets.labels.flatten(), reduction="sum")
 
 
 # Under --compile what follows the backbone runs eagerly where its size is the batch's count of predicted tokens:
@@ -77,24 +77,25 @@ def plain_loss(logits, labels, index, *pair_targets):
 # anew for each count (until its recompile limit, after which the frame runs eagerly anyway). The backbone, shaped
 # by the block, compiles once.
 @torch.compiler.disable
-def plain_preference_loss(logits, labels, index, *pair_targets):
-    logits, targets = logits.flatten(0, 1).index_select(0, index), labels.flatten().index_select(0, index)
-    return preference_loss(-F.cross_entropy(logits, targets, reduction="none"), *pair_targets)
+def plain_preference_loss(logits, targets, beta):
+    logits = logits.flatten(0, 1).index_select(0, targets.index)
+    labels = targets.labels.flatten().index_select(0, targets.index)
+    return preference_loss(-F.cross_entropy(logits, labels, reduction="none"), targets, beta)
 
 
 @torch.compiler.disable
-def chunked_loss(hidden, head, chunk_tokens, labels, index, *pair_targets):
+def chunked_loss(hidden, head, chunk_tokens, targets, beta=None):
     """The loss from the final hidden states and the output head, a chunk of tokens at a time."""
-    hidden = hidden.flatten(0, 1).index_select(0, index)  # only the positions that carry loss
+    hidden = hidden.flatten(0, 1).index_select(0, targets.index)  # only the positions that carry loss
     device = hidden.device.type  # the matmuls in the dtype autocast would give them, as the head's own would
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    targets = labels.flatten().index_select(0, index)
-    if pair_targets and pair_targets[2] is None:  # the reference pass: the answers' log-probabilities only
-        return preference_loss(token_logps(hidden, head.weight, head.bias, targets, chunk_tokens, dtype), *pair_targets)
-    if pair_targets:
-        return LinearPreference.apply(hidden, head.weight, head.bias, targets, *pair_targets, chunk_tokens, dtype,
-                                      torch.is_grad_enabled())
-    return LinearCrossEntropy.apply(hidden, head.weight, head.bias, targets, chunk_tokens, dtype,
+    labels = targets.labels.flatten().index_select(0, targets.index)
+    if targets.sequence is not None and targets.reference is None:  # the reference pass: log-probabilities only
+        return preference_loss(token_logps(hidden, head.weight, head.bias, labels, chunk_tokens, dtype), targets, beta)
+    if targets.sequence is not None:
+        return LinearPreference.apply(hidden, head.weight, head.bias, labels, targets.sequence, targets.pairs,
+                                      targets.reference, beta, chunk_tokens, dtype, torch.is_grad_enabled())
+    return LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk_tokens, dtype,
                                     torch.is_grad_enabled())
 
 
@@ -147,34 +148,24 @@ class LinearCrossEntropy(torch.autograd.Function):
         return (scale(grad_hidden, ctx.hidden_dtype), scale(grad_weight), scale(grad_bias), None, None, None, None)
 
 
-def token_loss_sum(model, inputs, labels):
-    """The summed loss of a batch: `labels` is (shifted labels with -100, flat index of the positions that carry
-    loss), as blocks.Blocks.batch makes them. The scripts divide it by the global batch's count of such tokens, so
-    every token weighs the same however the batch is split over micro-steps and ranks. Preference pairs: the summed
-    DPO loss of the batch's pairs, divided by the global batch's count of pairs (blocks.py counts pairs for them); the
-    pairs' metrics wait in PAIR_METRICS for the run's stats. A micro-step begun is progress to the hang watchdog
-    (hangs.py), however long the step of many micro-steps takes."""
-    hangs.progress()
-    out = model(**inputs, loss_targets=labels)
-    if isinstance(out, tuple):
-        out, metrics = out
-        PAIR_METRICS.append(metrics)
-    return out
+class Summed(NamedTuple):
+    """A batch's summed loss, and for preference pairs the sums of their metrics (dpo(): the chosen and rejected
+    rewards, the pairs ranked right, the answers' log-probabilities), else None."""
+    loss: torch.Tensor
+    pair_metrics: torch.Tensor | None = None
+
+
+def token_loss_sum(model, inputs, targets, beta=None):
+    """The summed loss of a batch (a Summed): `targets` as blocks.Blocks.batch makes them. The scripts divide it by
+    the global batch's count of tokens that carry loss, so every token weighs the same however the batch is split
+    over micro-steps and ranks. Preference pairs: the summed DPO loss (with `beta`) of the batch's pairs, divided by
+    the global batch's count of pairs (blocks.py counts pairs for them)."""
+    out = model(**inputs, loss_targets=targets, loss_beta=beta)
+    return Summed(*out) if isinstance(out, tuple) else Summed(out)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Preference pairs: the DPO loss
-
-PAIR_METRICS = []  # per micro-batch of pairs, the sums of: chosen and rejected rewards, pairs ranked right, logps
-
-
-def take_pair_metrics():
-    """The sums of the pair metrics of the batches since the last call (None without pairs), and forget them."""
-    if not PAIR_METRICS:
-        return None
-    total = torch.stack(PAIR_METRICS).sum(0)
-    PAIR_METRICS.clear()
-    return total
 
 
 def dpo(logps, reference, beta):
@@ -188,13 +179,14 @@ def dpo(logps, reference, beta):
     return F.softplus(-margin).sum(), beta * torch.stack([d_margin, -d_margin], 1), metrics.detach().float()
 
 
-def preference_loss(token, sequence, pairs, reference, beta):
+def preference_loss(token, targets, beta):
     """From each predicted token's log-probability: each answer's sum; then (the loss, metrics) or, without a
     reference yet, the (pairs, 2) sums themselves."""
-    logps = torch.zeros(2 * pairs, dtype=torch.float32, device=token.device).index_add(0, sequence, token.float())
-    if reference is None:
+    logps = torch.zeros(2 * targets.pairs, dtype=torch.float32, device=token.device).index_add(0, targets.sequence,
+                                                                                                token.float())
+    if targets.reference is None:
         return logps.view(-1, 2)
-    loss, _, metrics = dpo(logps.view(-1, 2), reference, beta)
+    loss, _, metrics = dpo(logps.view(-1, 2), targets.reference, beta)
     return loss, metrics
 
 

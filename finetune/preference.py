@@ -208,7 +208,7 @@ def reference(model, splits, config, out, process):
     the run's Config (flags.py); `process`: training.Process."""
     train = splits[0]
     if train.format != "preference":
-        return
+        return splits
     if config.sequence_parallel > 1:
         fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
     rank, world_size = process.rank, process.world_size
@@ -246,8 +246,7 @@ def reference(model, splits, config, out, process):
             tmp.replace(path)
         process.say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once in "
             f"{time.perf_counter() - started:.1f} s, kept in {path}")
-    for split, scores in zip(splits, tensors):
-        split.reference, split.beta = scores.float(), config.train.beta
+    return [split.with_reference(scores.float()) for split, scores in zip(splits, tensors)]
 
 
 REFERENCE_INPUTS = {"pairs": "dataset, rows or cut (--dataset, --eval-dataset, --block-size, --packing, ...)",

@@ -138,6 +138,7 @@ class RunStats:
         self.step, self.losses, self.pending, self.intervals = 0, [], [], []
         self.grad_norms, self.pending_norms, self.evals, self.eval_time = [], [], [], 0.0
         self.pair_metrics, self.pending_pairs = {name: [] for name in preference.METRICS}, []  # DPO's, per step
+        self.step_pairs = None  # this step's micro-batches' pair metrics, summed (micro_step)
         self.final_step = None  # the step of the weights in final/ (load_best)
         self.answers_failed = False  # said once: the trackers' eval answers could not be generated
         self.train_time, self.tokens, self.interval_tokens, self.interval_attended = 0.0, 0, 0, 0
@@ -158,12 +159,19 @@ class RunStats:
         peak = f" | MFU against {self.peak[1]}" if self.peak else ""
         return " | ".join([f"{self.total / 1e6:.1f}M parameters, {share}{peak}", *models.notes(self.model)])
 
+    def micro_step(self, summed):
+        """A micro-step's loss is made (a loss.Summed): progress for the hang watchdog (hangs.py), however long a step
+        of many micro-steps takes; preference pairs: their metrics' sums, added up over the step."""
+        hangs.progress()
+        if summed.pair_metrics is not None:
+            self.step_pairs = summed.pair_metrics + (0 if self.step_pairs is None else self.step_pairs)
+
     def end_step(self, step_loss, blocks, indices, grad_norm):
         """grad_norm: the step's gradient norm before clipping (a tensor or a float; read at the next log line)."""
         self.step += 1
         self.pending.append(step_loss)
         self.pending_norms.append(grad_norm)
-        sums = loss.take_pair_metrics()  # preference pairs: this rank's sums, to average over the global batch's pairs
+        sums, self.step_pairs = self.step_pairs, None  # pairs: this rank's sums, averaged over the global batch's
         if sums is not None:
             self.pending_pairs.append(torch.cat([sums, sums.new_tensor([blocks.predicted[indices].sum()])]))
         self.interval_tokens += int(blocks.lengths[indices].sum())
@@ -385,34 +393,37 @@ def peak_memory_bytes(device):
 # Evaluation and results
 
 @torch.no_grad()
-def eval_loss_sums(model, blocks, batch_size, process):
+def eval_loss_sums(model, blocks, train, process):
     """(summed loss, predicted tokens, 0) over this rank's share of the eval set, as a float64 tensor to all-reduce;
     for preference pairs (summed DPO loss, pairs, pairs ranked right). Every rank runs the same number of forward
     passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out.
-    `batch_size`: sequences per rank and pass (--batch-size); `process`: training.Process."""
+    `train`: flags.Train (--batch-size sequences a rank and pass, --beta); `process`: training.Process."""
     model.eval()
     total = torch.zeros(3, dtype=torch.float64, device=process.device)
-    for mine in rank_batches(len(blocks), batch_size, process.rank, process.world_size):
-        inputs, labels = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device,
-                                      process.model_config, carry_loss=len(mine) > 0)
+    pairs = None
+    for mine in rank_batches(len(blocks), train.batch_size, process.rank, process.world_size):
+        inputs, targets = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device,
+                                       process.model_config, carry_loss=len(mine) > 0)
         # eagerly under --compile: in eval mode without gradients dynamo compiles every graph anew, which takes
         # longer than most evals run (docs/zero.md)
         with process.autocast, torch.compiler.set_stance("force_eager"):
-            total[0] += loss.token_loss_sum(model, inputs, labels).double()
-        total[1] += labels[3] if len(labels) > 2 else len(labels[1])
-    pairs = loss.take_pair_metrics()
+            summed = loss.token_loss_sum(model, inputs, targets, train.beta)
+        total[0] += summed.loss.double()
+        total[1] += targets.counted
+        if summed.pair_metrics is not None:
+            pairs = summed.pair_metrics + (0 if pairs is None else pairs)
     if pairs is not None:
         total[2] = pairs[2]
     model.train()
     return total
 
 
-def evaluate(model, blocks, batch_size, process):
+def evaluate(model, blocks, train, process):
     """(eval loss, tokens, None): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
     completion and chats), every rank evaluating its share; for preference pairs (the mean DPO loss, pairs, the
     reward accuracy). It draws no random numbers and leaves the model in training mode: a run that evaluates trains
     exactly as one that does not."""
-    sums = eval_loss_sums(model, blocks, batch_size, process)
+    sums = eval_loss_sums(model, blocks, train, process)
     if process.world_size > 1:
         torch.distributed.all_reduce(sums)
     accuracy = (sums[2] / sums[1]).item() if blocks.pieces is not None else None

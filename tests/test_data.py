@@ -140,7 +140,7 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     sums = {}
     for packing in ("isolated", "none"):
         _, evals = data.prepare(data_args(tiny["chats"], block_size=256, packing=packing), tokenizer)
-        sums[packing] = training.eval_loss_sums(model, evals, 4, process)
+        sums[packing] = training.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
     assert sums["isolated"][1] == sums["none"][1] > 0  # the same tokens carry loss
     assert (sums["isolated"][0] / sums["isolated"][1]).item() == pytest.approx(
         (sums["none"][0] / sums["none"][1]).item(), rel=1e-5)
@@ -149,7 +149,7 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     from torch._dynamo.utils import counters
     model.compile(backend="eager")
     frames = counters["frames"]["total"]
-    compiled = training.eval_loss_sums(model, evals, 4, process)
+    compiled = training.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
     answer = models._generate(model, tokenizer, tokenizer("Review:")["input_ids"], torch.device("cpu"),
                               torch.autocast("cpu", enabled=False), max_new_tokens=3)
     assert counters["frames"]["total"] == frames and isinstance(answer, str)
@@ -172,16 +172,16 @@ def test_prompt_completion_puts_the_loss_on_the_completion(tmp_path, tiny, token
     inputs, labels = train.batch([0], tokenizer.pad_token_id, torch.device("cpu"), model.config)
     with torch.no_grad():
         full = model(**inputs).logits  # the original forward (no targets): all logits
-        mine = loss.token_loss_sum(model, inputs, labels)
+        mine = loss.token_loss_sum(model, inputs, labels).loss
         target = labels[0].flatten()
         reference = torch.nn.functional.cross_entropy(full.flatten(0, 1), target, reduction="sum")
         assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
         changed = inputs["input_ids"].clone()
         position = int(labels[1][0]) + 1  # a completion token (the first that carries loss)
         changed[0, position] = (changed[0, position] + 1) % len(tokenizer)
-        new_labels = (labels[0].clone(), labels[1])
-        new_labels[0][0, position - 1] = changed[0, position]
-        assert loss.token_loss_sum(model, {**inputs, "input_ids": changed}, new_labels).item() != mine.item()
+        new_labels = labels._replace(labels=labels.labels.clone())
+        new_labels.labels[0, position - 1] = changed[0, position]
+        assert loss.token_loss_sum(model, {**inputs, "input_ids": changed}, new_labels).loss.item() != mine.item()
     both = data.prepare(data_args(path, block_size=64, train_on_prompt=True), tokenizer)
     docs = [len(tokenizer(r["prompt"])["input_ids"]) + len(tokenizer(r["completion"], add_special_tokens=False)
                                                              ["input_ids"]) + 1 for r in rows]
@@ -272,7 +272,7 @@ def test_prepared_once_then_reused(tiny, tokenizer):
 def test_batches_shift_labels_and_mask_padding(tiny, tokenizer):
     train, _ = data.prepare(data_args(tiny["data"], packing="none", block_size=64), tokenizer)
     short, long = int(train.lengths.argmin()), int(train.lengths.argmax())
-    inputs, (labels, index) = train.batch([short, long], 1, torch.device("cpu"), None)
+    inputs, (labels, index, *_) = train.batch([short, long], 1, torch.device("cpu"), None)
     n, width = int(train.lengths[short]), int(train.lengths[long])
     assert inputs["input_ids"].shape == labels.shape == (2, width)
     assert labels[0, :n - 1].tolist() == inputs["input_ids"][0, 1:n].tolist()  # label t is token t+1

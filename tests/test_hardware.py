@@ -125,8 +125,8 @@ def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
     train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
     rows = [i for i in range(len(train)) if len(documents_of(train, i)) >= 2][:3]  # blocks of several documents
     flash = argparse.Namespace(_attn_implementation="flash_attention_2")
-    inputs, (labels, index) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), flash)
-    padded, (padded_labels, _) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), None)
+    inputs, (labels, index, *_) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), flash)
+    padded, (padded_labels, *_) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), None)
     real = torch.arange(padded["input_ids"].shape[1])[None] < torch.as_tensor(train.lengths[rows])[:, None]
     assert inputs["input_ids"].shape == (1, int(train.lengths[rows].sum())) and "attention_mask" not in inputs
     assert inputs["input_ids"][0].tolist() == padded["input_ids"][real].tolist()

@@ -53,7 +53,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
     logits = plain(**inputs).logits  # the model's own forward: all the logits
     reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[0].flatten(), reduction="sum")
     (reference / 3).backward()  # as training scales it: by the count of tokens that carry loss
-    mine = loss.token_loss_sum(chunked, inputs, labels)
+    mine = loss.token_loss_sum(chunked, inputs, labels).loss
     (mine / 3).backward(retain_graph=True)
     assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
     want, got = gradients(plain), gradients(chunked)
@@ -77,7 +77,7 @@ def test_plain_path_and_generation_are_the_models_own(chats):
     with torch.no_grad():
         logits = model(**inputs).logits
         plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[0].flatten(), reduction="sum")
-        assert loss.token_loss_sum(model, inputs, labels).item() == pytest.approx(plain.item(), rel=1e-6)
+        assert loss.token_loss_sum(model, inputs, labels).loss.item() == pytest.approx(plain.item(), rel=1e-6)
     assert "model.decoder.embed_tokens.weight" in model.state_dict()  # the names a checkpoint holds: unchanged
 
 
@@ -106,7 +106,7 @@ def test_the_logits_of_all_tokens_never_exist_at_once(chats, chunk):
     inputs, labels = train.batch(list(range(4)), tokenizer.pad_token_id, torch.device("cpu"), model.config)
     tokens = inputs["input_ids"].numel()
     with LargestLogits(vocab) as seen:
-        loss.token_loss_sum(model, inputs, labels).backward()
+        loss.token_loss_sum(model, inputs, labels).loss.backward()
     if chunk:
         assert seen.largest == chunk * vocab  # one chunk's logits (and their gradient, in place)
     else:  # the plain path: every position's logits
@@ -144,7 +144,7 @@ def test_a_frozen_head_gets_no_gradient_work(chats):
         head.requires_grad_(not frozen)
         model.zero_grad()
         with MatmulFlops() as counts[frozen]:
-            loss.token_loss_sum(model, inputs, labels).backward()
+            loss.token_loss_sum(model, inputs, labels).loss.backward()
         hidden_grads[frozen] = model.model.norm.weight.grad.clone()  # through the hidden states
         assert (head.grad is None) == frozen
     tokens, (vocab, hidden) = len(labels[1]), head.shape

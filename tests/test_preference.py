@@ -92,8 +92,8 @@ def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs)
     layouts = {}
     for implementation in ("flash_attention_2", "sdpa"):
         config._attn_implementation = implementation
-        inputs, (labels, index, sequence, count, _, _) = train.batch([0, 1, 2], tok.pad_token_id, torch.device("cpu"),
-                                                                     config)
+        inputs, targets = train.batch([0, 1, 2], tok.pad_token_id, torch.device("cpu"), config)
+        labels, index, sequence, count = targets[:4]
         layouts[implementation] = labels.flatten()[index].tolist(), sequence.tolist(), count, inputs
     assert layouts["flash_attention_2"][:3] == layouts["sdpa"][:3] and layouts["sdpa"][2] == train.predicted[:3].sum()
     assert sorted(set(layouts["sdpa"][1])) == list(range(2 * layouts["sdpa"][2]))  # every answer of every pair
@@ -178,7 +178,7 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
     split = blocks.Blocks.__new__(blocks.Blocks)  # one block holding the pair, as write_split lays it out
     split.tokens, split.flags = np.array(ids, np.int32), np.array(flags, np.uint8) | [blocks.DOC_START] + [0] * 12
     split.starts, split.lengths, split.predicted, split.pieces = (np.array([x]) for x in (0, len(ids), 1, 0))
-    split.first_piece, split.split_rows, split.reference, split.beta = np.array([0]), False, None, None
+    split.first_piece, split.split_rows, split.reference = np.array([0]), False, None
     inputs, _ = split.batch([0], 0, torch.device("cpu"), config)
     with torch.no_grad():
         packed = model(**inputs).logits[0]
@@ -262,17 +262,17 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
     for packing in ("isolated", "none"):
         train, _ = data.prepare(data_args(pairs["strings"], packing=packing), tok)
         torch.manual_seed(0)
-        train.reference = -60 - 20 * torch.rand(train.pairs_total, 2)
-        train.beta = 0.5
+        train = train.with_reference(-60 - 20 * torch.rand(train.pairs_total, 2))
         for chunk in (16, 0):
             model = loss.attach(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
                                 chunk)
             preference.without_dropout(model)
             blocks_all = np.arange(len(train))
             inputs, targets = train.batch(blocks_all, tok.pad_token_id, torch.device("cpu"), model.config)
-            value = loss.token_loss_sum(model, inputs, targets) / train.pairs_total
+            summed = loss.token_loss_sum(model, inputs, targets, 0.5)
+            value = summed.loss / train.pairs_total
             value.backward()
-            metrics = loss.take_pair_metrics() / train.pairs_total
+            metrics = summed.pair_metrics / train.pairs_total
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
             results_by[packing, chunk] = value.item(), grads, metrics
         ids = train.pair_ids(np.arange(len(train)))

@@ -334,6 +334,8 @@ def test_micro_steps_are_progress_so_a_long_step_is_not_a_hang(tmp_path, monkeyp
     """A step of 10 micro-steps of 200 s each (a large --grad-accum with offload): 2000 s without a finished step,
     past the 900 s bound of the default --dist-timeout (1800 s), yet no micro-step took that long: not a hang. A
     micro-step that does is one. The clock is the test's."""
+    from types import SimpleNamespace
+
     from finetune import loss
 
     now = [0.0]
@@ -341,18 +343,19 @@ def test_micro_steps_are_progress_so_a_long_step_is_not_a_hang(tmp_path, monkeyp
     monkeypatch.setattr(hangs, "active", None)
     watchdog = hangs.Watchdog(tmp_path, 1800, rank=0, ranks=2, poll=3600)  # its thread asleep: the test checks
     assert watchdog.seconds == 900  # half of --dist-timeout, however large: the user's bound
-    loss.token_loss_sum(lambda **kwargs: None, {}, None)  # start-up, the first step: not watched yet
+    hangs.progress()  # start-up, the first step: not watched yet
     assert watchdog.last is None
     watchdog.beat(1)
+    micro_step = lambda: training.RunStats.micro_step(SimpleNamespace(step_pairs=None), loss.Summed(torch.zeros(())))
     for _ in range(10):
         now[0] += 200
         assert not watchdog.overdue(watchdog.last)
-        loss.token_loss_sum(lambda **kwargs: None, {}, None)  # the next micro-step begins
+        micro_step()  # the next micro-step is made, as the scripts' loop says
     watchdog.beat(2)
     now[0] += 901
     assert watchdog.overdue(watchdog.last)  # one micro-step longer than the bound
     watchdog.stop()
-    loss.token_loss_sum(lambda **kwargs: None, {}, None)  # the evaluation and export after the last step
+    hangs.progress()  # the evaluation and export after the last step
     assert watchdog.last is None
 
 

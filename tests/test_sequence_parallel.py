@@ -173,7 +173,7 @@ def test_with_flash_attention_the_documents_laid_end_to_end_are_cut_into_the_sha
     train = data.prepare(config.data, models.load_tokenizer(config.model.model))[0]
     flash = SimpleNamespace(_attn_implementation="flash_attention_2")
     rows = [0, 1, 2, 3]
-    whole, (targets, _) = train.batch(rows, 0, torch.device("cpu"), flash)
+    whole, (targets, *_) = train.batch(rows, 0, torch.device("cpu"), flash)
     assert "cu_seq_lens_q" in whole and whole["input_ids"].shape[0] == 1
     shards = [train.batch(rows, 0, torch.device("cpu"), flash, sequence_shard=(rank, 2)) for rank in (0, 1)]
     joined = torch.cat([s[0]["input_ids"] for s in shards], dim=1)
