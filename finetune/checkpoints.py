@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -270,10 +269,6 @@ class Stop:
             self.marker.unlink(missing_ok=True)
         for number in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(number, self._ask)
-        # tests only: a run that starts afresh waits after this step until a signal reaches a rank, so that a signal
-        # sent through a scheduler's queues (seconds on a busy machine) finds the tiny run still training
-        fresh = not (Path(out) / "checkpoints" / "latest").exists()
-        self.hold, self.steps = int(os.environ.get("FINETUNE_TEST_HOLD", 0)) if fresh else 0, 0
 
     def _world(self):
         """(ranks, the group they agree on), at the first step's end: the process group may not exist yet when Stop is
@@ -294,14 +289,10 @@ class Stop:
         """Whether to stop after this step: a signal reached any rank (only the signalled node knows, on a cluster:
         a one-element all-reduce tells the others)."""
         ranks, group = self._world()
-        self.steps += 1
-        while True:
-            flag = torch.tensor([self.signal is not None], dtype=torch.int32)
-            if ranks > 1:
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-            if flag.item() or self.steps != self.hold:
-                return bool(flag.item())
-            time.sleep(0.1)  # FINETUNE_TEST_HOLD: every rank asks again, together
+        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+        if ranks > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        return bool(flag.item())
 
     def exit(self, step, say):
         """After the checkpoint: every rank has finished (a launcher stops the others as soon as one exits), then

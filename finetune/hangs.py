@@ -88,12 +88,6 @@ class Watchdog:
     def beat(self, step):
         """A step finished."""
         self.step, self.last, self.last_wall = step, clock(), time.time()
-        # tests only: "rank:step[,rank:step:freeze]" stops each such rank after that step: it sleeps (its watchdog
-        # reports), or it freezes (SIGSTOP, as a frozen node: nothing of it reports)
-        for stall in filter(None, os.environ.get("FINETUNE_TEST_STALL", "").split(",")):
-            rank, at, *how = stall.split(":")
-            if (int(rank), int(at)) == (self.rank, step):
-                os.kill(os.getpid(), signal.SIGSTOP) if how == ["freeze"] else time.sleep(3600)
 
     def stop(self):
         """No steps left to watch (the evaluation and export after the last one are bounded by --dist-timeout)."""

@@ -1,37 +1,18 @@
-"""Shared test fixtures: a tiny OPT model and a generated corpus, made once per session, and ways to run the
-scripts (in process through main(), or under the real launchers)."""
+"""The tests' fixtures: a tiny OPT model and a generated corpus, made once per session, the long run a stopped one
+must end as, and the checks every test gets (launcher variables restored, no shared-memory buffer left); the
+session's environment and the helpers the tests share: helpers.py."""
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no "Setting accelerator to CPU" in every process's output
-# the venv's tools first, as `make test` and an activated venv have them: a DeepSpeed op built by another ninja (the
-# system's) is compiled anew by the next process that loads it with the venv's (each switch a minute)
-os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-# the prepared (tokenized, packed) data of this session's runs, apart from the user's cache
-os.environ["DATA_CACHE"] = tempfile.mkdtemp(prefix="data-cache-")
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s workers: a core each, as the launched ranks have
-    torch.set_num_threads(1)  # (two threads each on two busy cores wait on each other at every op's end)
-
-from finetune import demo  # noqa: E402
+from helpers import check, launch, long_run  # first: the session's environment (helpers.py)
+from finetune import demo
 
 
 # `make test` runs two files at a time (pytest-xdist, --dist loadfile: a file's module fixtures are made once), each
@@ -52,14 +33,6 @@ def pytest_collection_modifyitems(items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the in-process tier, `make test-quick`: formats, masks, packing, the "
                                        "loss, the planner, GPU decisions fed a GPU's facts, bad input, configs")
-
-
-def load_script(name):
-    """The scripts have dashes in their names: import them from their paths to call main(argv)."""
-    spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), ROOT / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def made_once(tmp_path_factory, name, make):
@@ -99,83 +72,12 @@ def make_tiny(root):
     demo.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=64, seed=0)
 
 
-def base_args(tiny, out, **overrides):
-    args = {"--model": tiny["model"], "--dataset": tiny["data"], "--block-size": 32, "--lr": 1e-3,
-            "--max-steps": 4, "--log-every": 1, "--save-every": 2, "--output-dir": str(out), "--prompt": ""}
-    args.update(overrides)
-    # --flag=value tokens: an empty value survives the remote shell of a multi-node (pdsh) launch
-    return [f"{k}={v}" for k, v in args.items() if v is not None]
-
-
-def long_run(tiny, out, *extra):
-    """60 steps of ZeRO-2 on 2 ranks, a checkpoint every 5: long enough to be stopped in many ways."""
-    return base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2, "--max-steps": 60,
-                                   "--save-every": 5, "--log-every": 5}) + ["--deepspeed", *extra]
-
-
 @pytest.fixture(scope="session")
 def uninterrupted(tiny, tmp_path_factory):
     """The long run, whole: what a stopped and resumed run must end as, and checkpoints to resume from (read only)."""
     folder = made_once(tmp_path_factory, "whole", lambda f: check(launch("forked", "zero-optimization.py",
                                                                          long_run(tiny, f / "run"))))
     return folder / "run"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Preimported:
-    """tests/preimported.py, started once per session: it forks the ranks of each launch from a parent that has
-    imported the libraries (7 s a process on 2 cores), for the tests whose launcher is not what they check."""
-    server = None
-
-    @classmethod
-    def run(cls, script, argv, nproc, env, timeout, torchrun):
-        if cls.server is None or cls.server.poll() is not None:
-            cls.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "preimported.py")], cwd=ROOT,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
-            request = {"script": script, "argv": argv, "nproc": nproc, "env": env, "cwd": str(ROOT),
-                       "timeout": timeout, "logs": logs, "torchrun": torchrun}
-            cls.server.stdin.write(json.dumps(request) + "\n")
-            cls.server.stdin.flush()
-            line = cls.server.stdout.readline()
-            if not line:
-                raise RuntimeError(f"tests/preimported.py exited ({cls.server.wait()}) on {script} {argv}")
-            reply = json.loads(line)
-            if reply["timed_out"]:
-                raise subprocess.TimeoutExpired(script, timeout)
-            out, err = ("".join(Path(logs, f"rank-{r}.{kind}").read_text() for r in range(nproc))
-                        for kind in ("out", "err"))
-        return subprocess.CompletedProcess([script, *argv], reply["returncode"], out, err)
-
-
-def launch(launcher, script, argv, nproc=2, timeout=600, env=None):
-    """Run a script under deepspeed, torchrun or plain python; or its ranks forked from a pre-imported parent where
-    the launcher is not what a test checks: "forked" (the variables torchrun sets) or "forked-python" (one process
-    without them, a world of one). Return the CompletedProcess."""
-    bin_dir = Path(sys.executable).parent
-    port = str(free_port())
-    if launcher in ("forked", "forked-python"):
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": port, **(env or {})}
-        torchrun = launcher == "forked"
-        result = Preimported.run(script, argv, nproc if torchrun else 1, full_env, timeout, torchrun)
-        result.port = port
-        return result
-    if launcher == "deepspeed":
-        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", str(nproc), "--master_port", port, script]
-    elif launcher == "torchrun":
-        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", port, script]
-    else:
-        cmd = [sys.executable, script]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run(cmd + argv, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    result.port = port
-    return result
 
 
 @pytest.fixture(autouse=True)
@@ -216,73 +118,3 @@ def held_open():
     return held
 
 
-def stop_everything(launcher):
-    """Kill a launcher and everything under it."""
-    children = []
-    with contextlib.suppress(psutil.NoSuchProcess):  # any of them may end between the listing and the kill
-        children = psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    launcher.kill()
-
-
-def check(result):
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    return result
-
-
-def results(out):
-    return json.loads((Path(out) / "results.json").read_text())
-
-
-def weights(folder):
-    return load_file(str(Path(folder) / "model.safetensors"))
-
-
-def independent_loss(model_folder, argv, split, indices=None, **load):
-    """(summed cross-entropy, tokens) over the tokens that carry loss in these blocks of a split the scripts prepared
-    (`argv`: their flags), computed without their batch, mask or loss code: each document alone through the stock
-    model, in float64, its loss tokens read from the per-token flags."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float64, **load).eval()
-    with torch.no_grad():
-        total, count = documents_loss(model, argv, split, indices)
-    return total.item(), count
-
-
-def documents_loss(model, argv, split, indices=None):
-    """independent_loss's sum (a tensor: backward() gives its gradients) through a model given."""
-    import numpy as np
-    import torch.nn.functional as F
-
-    from finetune import blocks, data, models
-    config = load_script("single-gpu.py").parse_args(argv)
-    split_blocks = data.prepare(config.data, models.load_tokenizer(config.model.model))[0 if split == "train" else 1]
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for i in range(len(split_blocks)) if indices is None else indices:
-        start, length = int(split_blocks.starts[i]), int(split_blocks.lengths[i])
-        ids = torch.from_numpy(np.asarray(split_blocks.tokens[start:start + length], dtype=np.int64))
-        flags = np.asarray(split_blocks.flags[start:start + length])
-        bounds = [*np.flatnonzero(flags & blocks.DOC_START), length]
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            carries = torch.from_numpy((flags[a + 1:b] & blocks.LOSS) > 0)  # token t+1, predicted at position t
-            logits = model(ids[None, a:b]).logits[0, :-1]
-            total = total + F.cross_entropy(logits[carries].double(), ids[a + 1:b][carries], reduction="sum")
-            count += int(carries.sum())
-    return total, count
-
-
-def assert_close_losses(a, b, rtol=1e-5):
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    rel = ((a - b).abs() / a.abs()).max().item()
-    assert rel < rtol, f"losses differ by {rel:.2e} relative:\n{a.tolist()}\n{b.tolist()}"
-
-
-def assert_same_weights(wa, wb, atol=1e-5):
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        diff = (wa[k].float() - wb[k].float()).abs().max().item()
-        assert diff <= atol, f"{k} differs by {diff:.2e}"

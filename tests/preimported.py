@@ -2,7 +2,7 @@
 
 Each process a real launcher starts spends about 7 s on 2 cores importing the same libraries before it trains for a
 second or two, and the deepspeed launcher runs two such processes of its own before the ranks. Where the launcher is
-not what a test checks, conftest.launch("forked", ...) sends the launch here instead: each rank is a fork of this
+not what a test checks, helpers.launch("forked", ...) sends the launch here instead: each rank is a fork of this
 already-imported parent that runs the script as `python script.py ARGS` would (`__main__`, its own sys.argv, sys.path
 and environment), with the variables torchrun sets; "forked-python" is one process without them (a plain `python`
 run, a world of one). As torchrun does, when a rank fails the others are stopped. The launchers' own

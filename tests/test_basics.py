@@ -1,12 +1,12 @@
 """Every lesson in basics/ on CPU with 2 processes and 3 (an odd world, which splits unevenly): exit code, and the
-values it prints. Forked with torchrun's variables (conftest.launch), but under torchrun itself, as the README runs
+values it prints. Forked with torchrun's variables (helpers.launch), but under torchrun itself, as the README runs
 them, the first lesson and the one whose subject is a rank that never joins (torchrun is tested for real in
 test_reliability.py too)."""
 import re
 
 import pytest
 
-from conftest import launch
+from helpers import launch
 
 UNDER_TORCHRUN = {("p2p", 2), ("timeout", 2)}
 LESSONS = ["p2p", "collectives", "ring_allreduce", "data_parallel", "zero", "tensor_parallel",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, launch, load_script
+from helpers import ROOT, launch, load_script
 
 
 def forked(cmd, env):

@@ -9,9 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from finetune import checkpoints, training, zero
-from conftest import (assert_close_losses, assert_same_weights, base_args, check, launch, load_script, long_run,
-                      results, weights)
-from test_single import assert_resumed, crash_after_first_checkpoint
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
+                     crash_after_first_checkpoint, launch, load_script, long_run, results, weights)
 
 single = load_script("single-gpu.py")
 

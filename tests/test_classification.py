@@ -13,7 +13,8 @@ import psutil
 import pytest
 from transformers import pipeline
 
-from conftest import ROOT, assert_close_losses, check, demo, free_port, launch, load_script, results
+from helpers import ROOT, assert_close_losses, check, free_port, launch, load_script, results
+from finetune import demo
 
 classification = load_script("sequence_classification.py")
 
@@ -77,7 +78,7 @@ def two_ranks(sentiment, tmp_path_factory):
         out = tmp_path_factory.mktemp(config) / "run"
         args = argv(sentiment, out, "--deepspeed", config)
         args[args.index("--batch-size") + 1] = "8"
-        # the demo's command, under the deepspeed launcher, for ZeRO-2; ZeRO-3's ranks forked (conftest.launch)
+        # the demo's command, under the deepspeed launcher, for ZeRO-2; ZeRO-3's ranks forked (helpers.launch)
         launcher = "deepspeed" if config == "ds_config_zero2.json" else "forked"
         runs[config] = args, out, check(launch(launcher, "sequence_classification.py", args))
     return runs

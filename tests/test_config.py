@@ -6,7 +6,7 @@ import pytest
 from transformers import OPTConfig
 
 from finetune import training, zero
-from conftest import load_script
+from helpers import load_script
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 

@@ -10,26 +10,14 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT
                           OPTConfig)
 
 from finetune import blocks, data, flags, loss, models, training
+from helpers import data_args, documents_of
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
-
-
-def data_args(dataset, **kw):
-    """flags.Data: the defaults but a seed of 0, 32-token blocks and every held-out row."""
-    return flags.defaults(**{"dataset": str(dataset), "seed": 0, "block_size": 32, "max_eval_samples": 0, **kw}).data
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny):
     return AutoTokenizer.from_pretrained(tiny["model"])
-
-
-def documents_of(split, i):
-    """The segments of block i of a split, as token lists (a segment starts at a DOC_START flag)."""
-    s, n = split.starts[i], split.lengths[i]
-    tokens, flags = split.tokens[s:s + n], split.flags[s:s + n]
-    starts = list(np.flatnonzero(flags & blocks.DOC_START)) + [n]
-    return [tokens[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
 
 
 def documents(split):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import base_args, load_script, results
+from helpers import base_args, load_script, results
 from finetune import flags
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`

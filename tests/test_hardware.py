@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_script
+from helpers import load_script
 from finetune import blocks, checkpoints, data, distributed, flags, hardware, mends, zero
 from finetune.hardware import Facts
 
@@ -118,7 +118,7 @@ def test_attention_implementation_for_the_hardware():
 
 def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
     """What FlashAttention's varlen path is given: one padding-free row, a boundary at every document."""
-    from test_data import data_args, documents_of
+    from helpers import data_args, documents_of
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
@@ -142,7 +142,7 @@ def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
 def test_batches_go_to_a_gpu_pinned_and_asynchronously(tiny, monkeypatch):
     """A GPU run's batch: each array pinned, then copied without the host waiting for the device's queue (a pageable
     copy waits for the previous micro-step's backward). The copies are recorded, not made (no GPU here)."""
-    from test_data import data_args
+    from helpers import data_args
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny["model"])

@@ -4,7 +4,7 @@ on any machine (the ops a GPU would launch, the values it would wait for), so th
 buy is measured on a GPU (bench/gpu.sh), never timed here. Ranks forked from the pre-imported parent."""
 import pytest
 
-from conftest import launch, load_script
+from helpers import launch, load_script
 
 host_cost = load_script("bench/host_cost.py")
 LAYERS = 12  # host_cost.assets' model: OPT-125m's 196 tensors
@@ -75,7 +75,7 @@ def test_the_count_sees_a_host_read_a_sync_and_a_collective():
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from conftest import free_port
+    from helpers import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)

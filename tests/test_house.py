@@ -5,7 +5,7 @@ import difflib
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 pytestmark = pytest.mark.quick
 LIMIT, DIFF_BUDGET = 450, 90

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from finetune import distributed
-from conftest import ROOT, assert_close_losses, check, free_port, launch, long_run, results
+from helpers import ROOT, assert_close_losses, check, free_port, launch, long_run, results
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 

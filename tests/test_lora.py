@@ -9,8 +9,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_close_losses, base_args, check, launch, load_script, results, weights
-from test_single import assert_resumed, crash_after_first_checkpoint
+from helpers import (assert_close_losses, assert_resumed, base_args, check, crash_after_first_checkpoint, launch,
+                     load_script, results, weights)
 
 single = load_script("single-gpu.py")
 LORA = {"--lora-rank": 8, "--lora-alpha": 16, "--lr": 5e-3}

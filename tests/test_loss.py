@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
 
 from finetune import data, loss
-from test_data import data_args
+from helpers import data_args
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, assert_close_losses, assert_same_weights, base_args, check, independent_loss, launch, \
+from helpers import ROOT, assert_close_losses, assert_same_weights, base_args, check, independent_loss, launch, \
     load_script, results, weights
 from finetune import hardware, models, training
 

@@ -7,7 +7,7 @@ import pytest
 from transformers import OPTConfig
 
 import plan
-from conftest import check, launch
+from helpers import check, launch
 
 GB = 1e9
 

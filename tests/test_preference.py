@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
+                     crash_after_first_checkpoint, launch, load_script, results, weights)
 from finetune import blocks, data, demo, flags, loss, preference, training
-from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
 BLOCK = 128

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import plan
-from conftest import (assert_close_losses, base_args, check, documents_loss, launch, load_script, results, weights)
+from helpers import (assert_close_losses, assert_resumed, base_args, check, crash_after_first_checkpoint,
+                     documents_loss, launch, load_script, results, weights)
 from finetune import demo, quantization, training
-from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
 # bitsandbytes packs 4-bit weights in blocks of 64 inputs: a model 64 wide (the tiny one is 32)

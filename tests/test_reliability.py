@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from finetune import checkpoints, hangs, training
-from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, free_port, launch, long_run,
-                      load_script, results, stop_everything, weights)
+from helpers import (ROOT, TEST_HOOKS, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
+                     long_run, load_script, results, stop_everything, weights)
 
 single = load_script("single-gpu.py")
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -258,7 +258,7 @@ def test_wandb_keeps_every_step_through_a_signal_a_sigkill_and_two_resumes(tiny,
 
 
 def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_times_out(tiny, tmp_path):
-    """3 ranks, --dist-timeout 12: after step 3 rank 1 stops in place (FINETUNE_TEST_STALL, a switch for tests) and
+    """3 ranks, --dist-timeout 12: after step 3 rank 1 stops in place (FINETUNE_TEST_STALL, tests/hooks) and
     rank 2 freezes (SIGSTOP, as a frozen node: its watchdog cannot report); rank 0 waits for them in the next
     collective. Half of --dist-timeout later every live rank writes its stacks and its flight recorder, and rank 0
     ends the job with one line saying where each rank is and which did not report, before the collective's own
@@ -266,7 +266,8 @@ def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_time
     what the trackers were given is written."""
     out = tmp_path / "stalled"
     launcher = start(long_run(tiny, out, "--dist-timeout", "12", "--log-every", "1", "--report-to", "wandb"),
-                     tmp_path / "log", ranks=3, FINETUNE_TEST_STALL="1:3,2:3:freeze", WANDB_MODE="offline")
+                     tmp_path / "log", ranks=3, FINETUNE_TEST_STALL="1:3,2:3:freeze", WANDB_MODE="offline",
+                     PYTHONPATH=TEST_HOOKS)
     try:
         wait_for(out / "hang" / "summary.txt", launcher)  # rank 0's line; it closes its trackers and leaves
         with contextlib.suppress(psutil.Error, AssertionError):
@@ -278,14 +279,14 @@ def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_time
     log = (tmp_path / "log").read_text()
     lines = [line for line in log.splitlines() if line.startswith("error: no progress")]
     assert len(lines) == 1 and "Traceback" not in log and "a collective failed" not in log, log[-3000:]
-    # 'error: no progress for 6 s after step 3: rank 1 in beat at hangs.py:NN; rank 0 in all_reduce at
+    # 'error: no progress for 6 s after step 3: rank 1 in beat at sitecustomize.py:NN; rank 0 in all_reduce at
     # training.py:NN; rank 2 did not report (...); stacks in <out>/hang'
     assert lines[0].startswith("error: no progress for 6 s after step 3: ") and launcher.returncode == hangs.HUNG
     parts = lines[0].split(": ", 2)[2].split("; stacks")[0].split("; ")
     assert parts[-1].startswith("rank 2 did not report"), lines[0]
     where = dict(reversed(part.split(" in ", 1)) for part in parts[:-1])
     assert set(where.values()) == {"rank 0", "rank 1"}, lines[0]
-    assert where_of(where, "rank 1").startswith("beat at hangs.py:")  # where the switch holds it
+    assert where_of(where, "rank 1").startswith("beat at sitecustomize.py:")  # where the test's hook holds it
     assert where_of(where, "rank 0").startswith("all_reduce at training.py:")  # the logged losses after step 3
     for rank in (0, 1):
         stacks = (out / "hang" / f"rank-{rank}.txt").read_text()

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_close_losses, assert_same_weights, base_args, check, launch, load_script, results, weights
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
+                     crash_after_first_checkpoint, launch, load_script, results, weights)
 from finetune import sequence_parallel as sp
 from finetune import zero
 from test_models import build
-from test_single import assert_resumed, crash_after_first_checkpoint
 
 single = load_script("single-gpu.py")
 ZERO = "zero-optimization.py"

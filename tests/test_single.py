@@ -12,8 +12,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import (assert_close_losses, assert_same_weights, base_args, independent_loss, load_script, results,
-                      weights)
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, crash_after_first_checkpoint,
+                     dropout_model, independent_loss, load_script, results, weights)
 from finetune import checkpoints, data, hardware, models, training
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -68,29 +68,6 @@ def test_same_global_batches_whatever_the_split(tmp_path, tiny):
     assert_close_losses(a["losses"], b["losses"])
     assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
     assert_same_weights(weights(tmp_path / "a" / "final"), weights(tmp_path / "b" / "final"))
-
-
-def crash_after_first_checkpoint(out):
-    """Make a finished 4-step run look like one killed just after its step-2 checkpoint."""
-    for name in ("results.json", "loss.png"):
-        (out / name).unlink()
-    shutil.rmtree(out / "final")
-    shutil.rmtree(out / "checkpoints" / "step-4")
-    (out / "checkpoints" / "latest").write_text("step-2")
-    (out / "checkpoints" / "step-2" / "resume-from-here").touch()  # gone if a run saves step-2 again
-
-
-def assert_resumed(out):
-    """The run continued from step-2 rather than starting over (which would give the same numbers, and rewrite it)."""
-    assert (out / "checkpoints" / "step-2" / "resume-from-here").exists() and (out / "final").is_dir()
-
-
-def dropout_model(tiny, folder):
-    """The tiny model with dropout 0.1: a run that draws one random number more or less shows it in its losses."""
-    shutil.copytree(tiny["model"], folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "dropout": 0.1}))
-    return folder
 
 
 def test_evaluating_changes_nothing_in_the_training(tmp_path, tiny):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, assert_close_losses, free_port, long_run, results
+from helpers import ROOT, TEST_HOOKS, assert_close_losses, free_port, long_run, results
 
 TOOLS = ("sbatch", "scontrol", "scancel", "slurmctld", "slurmd", "munged")
 
@@ -73,9 +73,9 @@ def wait_for(condition, what, timeout=300):
 def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_run(slurm, tiny, uninterrupted,
                                                                                    tmp_path, launcher, signal_form):
     out, log = tmp_path / "run", tmp_path / "slurm.log"
-    # the fresh run waits after step 6 until the signal comes (FINETUNE_TEST_HOLD): its 54 steps left take seconds,
-    # less than a signal can take through slurmctld and slurmd on a busy machine
-    job_id = submit(slurm, launcher, log, long_run(tiny, out), FINETUNE_TEST_HOLD="6")
+    # the fresh run waits after step 6 until the signal comes (FINETUNE_TEST_HOLD, tests/hooks): its 54 steps left
+    # take seconds, less than a signal can take through slurmctld and slurmd on a busy machine
+    job_id = submit(slurm, launcher, log, long_run(tiny, out), FINETUNE_TEST_HOLD="6", PYTHONPATH=TEST_HOOKS)
     wait_for(lambda: (out / "checkpoints" / "latest").exists() or job(slurm, job_id)["JobState"] != "RUNNING"
              and job(slurm, job_id)["JobState"] != "PENDING", "first checkpoint")
     assert job(slurm, job_id)["JobState"] == "RUNNING", log.read_text()[-3000:]

@@ -1,6 +1,6 @@
 """zero-optimization.py on 2 CPU processes (gloo): the same losses and weights as single-gpu.py on the same global
 batches, for every ZeRO stage and offload; sharding, export, resume, errors. The ranks are forked from a pre-imported
-parent (conftest.launch) but for the demo, under the deepspeed launcher; the launchers themselves: test_reliability."""
+parent (helpers.launch) but for the demo, under the deepspeed launcher; the launchers themselves: test_reliability."""
 import json
 import math
 import shutil
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, assert_close_losses, assert_same_weights, base_args, check, launch, load_script,
-                      results, weights)
-from test_single import assert_resumed, crash_after_first_checkpoint, dropout_model
+from helpers import (ROOT, assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
+                     crash_after_first_checkpoint, dropout_model, launch, load_script, results, weights)
 
 single = load_script("single-gpu.py")
 ZERO = "zero-optimization.py"

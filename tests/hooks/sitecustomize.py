@@ -1,0 +1,60 @@
+"""What the suite asks of the processes it launches, kept out of the product: a test that needs a rank to behave
+in some way puts this folder (and the repository) on PYTHONPATH with one of the variables below, and Python runs
+this file as each process starts (its sitecustomize), patching finetune before the script runs.
+
+FINETUNE_TEST_HOLD=N: a run that starts afresh waits after step N until a signal reaches a rank (checkpoints.Stop),
+    so that a signal sent through a scheduler's queues (seconds on a busy machine) finds the tiny run training.
+FINETUNE_TEST_STALL=rank:step[,rank:step:freeze]: each such rank stops after that step (hangs.Watchdog.beat): it
+    sleeps (its watchdog reports), or it freezes (SIGSTOP, as a frozen node: nothing of it reports).
+"""
+import os
+
+HOLD, STALL = os.environ.get("FINETUNE_TEST_HOLD"), os.environ.get("FINETUNE_TEST_STALL")
+
+
+def hold_after(step):
+    import time
+    from pathlib import Path
+
+    from finetune import checkpoints
+
+    made, due = checkpoints.Stop.__init__, checkpoints.Stop.due
+
+    def init(self, out):
+        made(self, out)
+        self.test_hold = step if not (Path(out) / "checkpoints" / "latest").exists() else 0
+        self.test_steps = 0
+
+    def due_or_hold(self):
+        self.test_steps += 1
+        while True:  # every rank asks again, together (due's all-reduce)
+            stopping = due(self)
+            if stopping or self.test_steps != self.test_hold:
+                return stopping
+            time.sleep(0.1)
+
+    checkpoints.Stop.__init__, checkpoints.Stop.due = init, due_or_hold
+
+
+def stall(plan):
+    import signal
+    import time
+
+    from finetune import hangs
+
+    stalls = [part.split(":") for part in plan.split(",") if part]
+    watched = hangs.Watchdog.beat
+
+    def beat(self, step):
+        watched(self, step)
+        for rank, at, *how in stalls:
+            if (int(rank), int(at)) == (self.rank, step):
+                os.kill(os.getpid(), signal.SIGSTOP) if how == ["freeze"] else time.sleep(3600)
+
+    hangs.Watchdog.beat = beat
+
+
+if HOLD:
+    hold_after(int(HOLD))
+if STALL:
+    stall(STALL)
