@@ -37,7 +37,7 @@ def test_zero0_does_what_single_gpu_py_does(counted, precision):
     (fp32), 2 syncs."""
     single, zero0 = counted("single-gpu.py", precision), counted("ZeRO-0", precision)
     assert single["syncs"] == zero0["syncs"] == 0
-    assert zero0["reads"] == single["reads"] == 2  # the stop flag's, a CPU tensor
+    assert zero0["reads"] == single["reads"] == 1  # the stop flag's, a CPU tensor (read twice before the hold left)
     assert zero0["collectives"] == {} and single["collectives"] == {}
     assert zero0["ops"] <= OPS["ZeRO-0"] * single["ops"], (zero0["ops"], single["ops"])
     assert zero0["kernels"] <= KERNELS["ZeRO-0"] * single["kernels"], (zero0["kernels"], single["kernels"])
