@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
 from finetune import models, quantization
 from finetune.hardware import experts_per_token
-from finetune.zero import swap_buffer_elements, tuned_values, zero3_layers
+from finetune.zero_config import swap_buffer_elements, tuned_values, zero3_layers
 
 GiB = 2**30
 # Published OPT shapes (hidden, layers, heads, FFN), so the planner works offline for these ids.
@@ -33,7 +33,7 @@ OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096),
 HEADROOM = 0.9  # of GPU memory usable by tensors: the CUDA context, allocator fragmentation and buffers take the rest
 REUSE_DISTANCE = 1e9  # ds_config_zero3.json's stage3_max_reuse_distance: gathered parameters kept this long
 SUB_GROUP = MAX_IN_CPU = 10**9  # ZeRO-3's sub_group_size, offload_param.max_in_cpu (DeepSpeed's defaults)
-ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket: max(hidden^2, this) elements (finetune/zero.py), in backward only
+ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket: max(hidden^2, this) elements (zero_config.py), in backward only
 OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload",
            "ZeRO-3 + NVMe offload"]  # fastest first
 
@@ -101,7 +101,7 @@ def parameters(config, lora_rank=0, lora_targets="all-linear", bits=None, precis
 
 def layer_params(config, lora_rank=0, lora_targets="all-linear"):
     """The parameters of the model's largest transformer layer (ZeRO-3's leaf, its buckets' size), or None (LoRA: its
-    layers are not leaves, zero.zero3_layers)."""
+    layers are not leaves, zero_config.zero3_layers)."""
     return zero3_layers(meta_model(config, lora_rank, lora_targets)[0], whole_layers=not lora_rank)[1]
 
 
@@ -135,7 +135,7 @@ def count_params(config):
 def model_states(params, hidden, precision, ranks, option, layer=None):
     """Bytes of model states one rank holds: {"after_backward", "after_step", "in_step", "gpu", "cpu"} (gpu/cpu:
     how the after-backward figure splits with offload). b: bytes of a weight in the training precision. layer: the
-    parameters of the model's largest transformer layer, ZeRO-3's leaf (zero.zero3_layers), or None."""
+    parameters of the model's largest transformer layer, ZeRO-3's leaf (zero_config.zero3_layers), or None."""
     b = 4 if precision in ("fp32", "tf32") else 2
     n = ranks
     trainable = sum(k for k, t in params if t)
@@ -147,8 +147,8 @@ def model_states(params, hidden, precision, ranks, option, layer=None):
     persistent = sum(k for k, t in params if k <= threshold) if n > 1 else 0  # small parameters held whole
     stage = int(option[5])
     if stage == 0:  # the whole of everything on every rank. bf16 is autocast over fp32 weights (both scripts:
-        # zero.autocast_at_stage0), a frozen base (LoRA) loaded in 16 bits; DeepSpeed's fp16 keeps 16-bit weights and
-        # fp32 masters, its fp32 grads in the step
+        # zero_config.autocast_at_stage0), a frozen base (LoRA) loaded in 16 bits; DeepSpeed's fp16 keeps 16-bit
+        # weights and fp32 masters, its fp32 grads in the step
         sixteen = precision == "fp16"
         weights = (2 if sixteen else 4) * trainable + b * frozen
         master = 4 * trainable if sixteen else 0
@@ -185,7 +185,8 @@ def nvme_buffers(params, ranks, b):
     offload_param.max_in_cpu elements (1e9), stay in CPU memory with their 16-bit gradient partition; the optimizer
     swaps its fp32 state through 4 pinned buffers of the largest sub-group (parameters taken in order until they pass
     sub_group_size, 1e9 elements; at most a rank's trainable partition), and the parameters through 5 pinned buffers
-    of the largest shard (offload_param.buffer_count; finetune/zero.py sizes them). Frozen weights live on the NVMe."""
+    of the largest shard (offload_param.buffer_count; finetune/zero_config.py sizes them). Frozen weights live on the
+    NVMe."""
     largest = max(k for k, _ in params)
     p_train = sum(math.ceil(k / ranks) for k, t in params if t)
     sub_group = min(p_train, SUB_GROUP + math.ceil(largest / ranks))

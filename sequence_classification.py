@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 # finetune before the Trainer: importing the Trainer imports bitsandbytes, whose notice finetune/__init__.py quiets
-from finetune import checkpoints, data, demo, distributed, hardware, models, training, zero
+from finetune import checkpoints, data, demo, distributed, hardware, models, training, zero_config
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -70,10 +70,10 @@ def trainer_deepspeed_config(path, device, hidden_size, args):
     (from the hardware) nor the optimizer (trainer_optimizer); and the TrainingArguments its AdamW section sets."""
     if not path:
         return None, {}
-    config = zero.choose_optimizer(zero.read_config(path), device.type == "cuda")
+    config = zero_config.choose_optimizer(zero_config.read_config(path), device.type == "cuda")
     section = config.get("zero_optimization", {})
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    tuned = zero.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda", world_size)
+    tuned = zero_config.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda", world_size)
     for key, value in tuned.items():
         if section.get(key) == "auto":
             section[key] = value

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
 from finetune import checkpoints, data, flags, hardware, loss, models, preference, training
-from finetune import distributed, mends, zero  # ZeRO
+from finetune import distributed, mends, zero, zero_config  # ZeRO
 
 
 def parse_args(argv=None):
@@ -29,8 +29,8 @@ def parse_args(argv=None):
     flags.add_flags(p, output_dir="out/zero")  # ZeRO
     # ZeRO: the DeepSpeed config file, and overrides of what matters most in it (To-Do: stage 2 if the model fits,
     # stage 3 if not, then --offload cpu; more in ds_config_zero*.json)
-    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(zero.DEFAULT_CONFIG),
-                   default=str(zero.DEFAULT_CONFIG), metavar="CONFIG", help="DeepSpeed JSON (default: ZeRO-3's)")
+    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(zero_config.DEFAULT_CONFIG),
+                   default=str(zero_config.DEFAULT_CONFIG), metavar="CONFIG", help="DeepSpeed JSON (default: ZeRO-3's)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], help="optimizer (and, stage 3, parameter) offload")
     p.add_argument("--nvme-path", default="/local_nvme", help="folder on a fast local disk for --offload nvme")
@@ -73,7 +73,7 @@ def main(argv=None):
 
     # -------------------------------------------------------------------------------- model and optimizer
     # ZeRO: fill the JSON's "auto" values from the flags; the engine builds the optimizer it names
-    ds_config = zero.deepspeed_config(config, world_size, total_steps, warmup_steps, model_config)
+    ds_config = zero_config.deepspeed_config(config, world_size, total_steps, warmup_steps, model_config)
     # ZeRO: the newest checkpoint, or its universal form when another number of ranks wrote it
     folder = zero.resume_folder(out, config, world_size, ds_config, rank, say) if config.run.resume else None
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # ZeRO-3: from_pretrained loads each rank's shard, never a full copy

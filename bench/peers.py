@@ -23,7 +23,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerC
                           default_data_collator)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune import data, distributed, training, zero  # noqa: E402
+from finetune import data, distributed, training, zero_config  # noqa: E402
 
 
 # ZeRO-2 as transformers' DeepSpeed integration documents it (docs: "ZeRO-2 example"), "auto" filled by the Trainer
@@ -100,7 +100,7 @@ def main():
     examples = (examples * (needed // max(1, len(examples)) + 1))[:needed]
     cuda = torch.cuda.is_available()
     # the same optimizer as ours (torch's AdamW, nothing compiled): the comparison is of the recipes
-    config = zero.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda) if args.deepspeed else None
+    config = zero_config.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda) if args.deepspeed else None
     training_args = TrainingArguments(
         output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
         max_steps=args.steps, learning_rate=5e-5, report_to="none", save_strategy="no", logging_steps=10**9,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune import data, distributed, training, zero  # noqa: E402
+from finetune import data, distributed, training, zero_config  # noqa: E402
 from peers import HF_ZERO2  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main():
         num_train_epochs=args.epochs, learning_rate=args.lr, beta=args.beta, lr_scheduler_type="cosine",
         warmup_steps=args.warmup_ratio, max_grad_norm=1.0, weight_decay=0.0, max_length=args.max_length,
         report_to="none", save_strategy="no", logging_steps=10**9, use_cpu=not cuda, disable_tqdm=True, bf16=False,
-        deepspeed=zero.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda), seed=42, data_seed=42,
+        deepspeed=zero_config.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda), seed=42, data_seed=42,
         dataloader_pin_memory=cuda)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trainer = DPOTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)

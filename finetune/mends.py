@@ -14,7 +14,7 @@ MENDED_VERSION = "0.19.8"  # the DeepSpeed whose private attributes these mends 
 
 def check_version(version):
     """The mends reach into DeepSpeed's private attributes: on another version they could mend the wrong thing
-    silently. One line instead, before the engine is built (zero.deepspeed_config asks)."""
+    silently. One line instead, before the engine is built (zero_config.deepspeed_config asks)."""
     if version != MENDED_VERSION:
         fail(f"finetune/mends.py mends DeepSpeed {MENDED_VERSION} and this is DeepSpeed {version}: install "
              f"deepspeed=={MENDED_VERSION} (requirements.txt), or read finetune/mends.py against the new version's "

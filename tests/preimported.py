@@ -21,8 +21,8 @@ PREIMPORTED = ("torch", "numpy", "deepspeed", "deepspeed.comm.torch", "deepspeed
                "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.ops.adam",
                "transformers", "transformers.trainer", "transformers.integrations.deepspeed",
                "transformers.models.opt.modeling_opt", "peft", "datasets", "accelerate", "safetensors.torch",
-               "tqdm", "matplotlib.pyplot", "torch.utils.tensorboard", "finetune.zero", "finetune.models",
-               "finetune.data", "finetune.distributed", "finetune.demo")
+               "tqdm", "matplotlib.pyplot", "torch.utils.tensorboard", "finetune.zero", "finetune.zero_config",
+               "finetune.models", "finetune.data", "finetune.distributed", "finetune.demo")
 GRACE = 10  # seconds the other ranks get to leave on their own once one failed, as a launcher's would
 
 
@@ -31,8 +31,8 @@ def serve():
 
     for name in PREIMPORTED:
         importlib.import_module(name)
-    # what py-cpuinfo says of the CPU, asked once here for every rank's offloaded optimizer (zero.cpu_info_once)
-    importlib.import_module("finetune.zero").cpu_info_once()
+    # what py-cpuinfo says of the CPU, asked once here for every rank's offloaded optimizer (zero_config.cpu_info_once)
+    importlib.import_module("finetune.zero_config").cpu_info_once()
     importlib.import_module("cpuinfo").get_cpu_info()
     # a fork copies one thread: a lock another thread held would stay held in the child. pyarrow's jemalloc runs a
     # background thread, and jemalloc takes its locks around a fork itself (pthread_atfork): any other is refused

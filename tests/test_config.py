@@ -5,7 +5,7 @@ import types
 import pytest
 from transformers import OPTConfig
 
-from finetune import training, zero
+from finetune import training, zero_config
 from helpers import load_script
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -32,14 +32,14 @@ def ds_args(path=ZERO3, **kw):
 
 
 def test_auto_values_come_from_the_flags():
-    config = zero.deepspeed_config(ds_args(), 2, 100, 5, shape(64))
+    config = zero_config.deepspeed_config(ds_args(), 2, 100, 5, shape(64))
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (4, 2, 16)
     assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
                                              "torch_adam": True, "fused": True}
     assert config["bf16"]["enabled"] is False and config["fp16"]["enabled"] is False
     assert config["gradient_clipping"] == 1.0
-    # ZeRO-3 gathers and reduces a transformer layer at a time (zero.tuned_values)
+    # ZeRO-3 gathers and reduces a transformer layer at a time (zero_config.tuned_values)
     assert config["zero_optimization"]["leaf_module"] == {"classes": ["OPTDecoderLayer"]}
     assert config["zero_optimization"]["reduce_bucket_size"] == layer_params(64) == 49_984
     assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == layer_params(64)
@@ -63,7 +63,7 @@ def test_auto_values_come_from_the_flags():
 def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect):
     config = json.loads(open(ZERO2).read())
     config["zero_optimization"]["offload_optimizer"]["device"] = offload
-    params = zero.choose_optimizer(config, cuda)["optimizer"]["params"]
+    params = zero_config.choose_optimizer(config, cuda)["optimizer"]["params"]
     assert {k: params[k] for k in ("torch_adam", "fused") if k in params} == expect
 
 
@@ -79,7 +79,7 @@ def test_an_offloaded_optimizer_asks_about_the_cpu_once(monkeypatch):
     monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # as it was, after the test
     config = json.loads(open(ZERO2).read())
     config["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
-    zero.choose_optimizer(config, False)
+    zero_config.choose_optimizer(config, False)
     asked = []
 
     class Counted(subprocess.Popen):
@@ -105,10 +105,10 @@ def test_a_precision_the_device_lacks_is_one_line(fp16, bf16, precision, message
     device = types.SimpleNamespace(is_fp16_supported=lambda: fp16, is_bf16_supported=lambda: bf16,
                                    device_name=lambda: "cpu")
     if message is None:
-        zero.check_precision(precision, device)
+        zero_config.check_precision(precision, device)
     else:
         with pytest.raises(SystemExit, match="^error: ") as e:
-            zero.check_precision(precision, device)
+            zero_config.check_precision(precision, device)
         assert message in str(e.value)
 
 
@@ -116,13 +116,13 @@ def test_the_config_asks_deepspeeds_own_accelerator(monkeypatch):
     from deepspeed.accelerator import get_accelerator
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: None)  # this CPU, and most
     with pytest.raises(SystemExit, match="does not train in fp16 on this cpu device; pass --precision bf16"):
-        zero.deepspeed_config(ds_args(precision="fp16"), 1, 10, 1, shape(8))
+        zero_config.deepspeed_config(ds_args(precision="fp16"), 1, 10, 1, shape(8))
 
 
 def test_overrides_and_offload():
-    section = zero.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, shape(8))["zero_optimization"]
+    section = zero_config.deepspeed_config(ds_args(offload="cpu"), 1, 10, 1, shape(8))["zero_optimization"]
     assert section["offload_optimizer"]["device"] == "cpu" and section["offload_param"]["device"] == "cpu"
-    config = zero.deepspeed_config(ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, shape(8))
+    config = zero_config.deepspeed_config(ds_args(zero_stage=2, offload="cpu"), 1, 10, 1, shape(8))
     assert config["zero_optimization"]["stage"] == 2 and "offload_param" not in config["zero_optimization"]
 
 
@@ -134,7 +134,7 @@ def test_offload_keeps_the_files_own_keys_for_each_side(tmp_path):
     config["zero_optimization"]["offload_optimizer"].update(ratio=0.5, fast_init=True)
     config["zero_optimization"]["offload_param"].update(buffer_count=8)
     path.write_text(json.dumps(config))
-    section = zero.deepspeed_config(ds_args(str(path), offload="cpu"), 1, 10, 1, shape(8))["zero_optimization"]
+    section = zero_config.deepspeed_config(ds_args(str(path), offload="cpu"), 1, 10, 1, shape(8))["zero_optimization"]
     assert section["offload_param"] == {"device": "cpu", "pin_memory": True, "buffer_count": 8}
     assert section["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5, "fast_init": True}
 
@@ -151,7 +151,7 @@ OPT_1_3B = OPTConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads
 ])
 def test_nvme_swap_buffers_hold_the_largest_shard(ranks, precision, elements):
     args = ds_args(offload="nvme", precision=precision)
-    section = zero.deepspeed_config(args, ranks, 10, 1, OPT_1_3B)["zero_optimization"]
+    section = zero_config.deepspeed_config(args, ranks, 10, 1, OPT_1_3B)["zero_optimization"]
     assert section["offload_optimizer"]["nvme_path"] == "/nvme" and section["offload_param"]["device"] == "nvme"
     assert section["offload_param"]["buffer_size"] == elements
 
@@ -163,21 +163,21 @@ def test_a_too_small_swap_buffer_in_the_file_is_one_line(tmp_path):
     path.write_text(json.dumps(config))
     with pytest.raises(SystemExit, match="buffer_size=100000000 is smaller than this model's largest parameter shard "
                                          "\\(102957056 elements\\); set it to \"auto\" or at least 102957056"):
-        zero.deepspeed_config(ds_args(str(path), offload="nvme"), 1, 10, 1, OPT_1_3B)
-    assert zero.deepspeed_config(ds_args(str(path), offload="nvme"), 2, 10, 1, OPT_1_3B)  # half of it fits
+        zero_config.deepspeed_config(ds_args(str(path), offload="nvme"), 1, 10, 1, OPT_1_3B)
+    assert zero_config.deepspeed_config(ds_args(str(path), offload="nvme"), 2, 10, 1, OPT_1_3B)  # half of it fits
 
 
 def test_nvme_below_stage_3_is_one_line():
     """DeepSpeed would quietly offload to CPU memory instead, ignoring --nvme-path."""
     with pytest.raises(SystemExit, match="error: --offload nvme needs ZeRO stage 3 \\(at stage 2"):
-        zero.deepspeed_config(ds_args(zero_stage=2, offload="nvme"), 1, 10, 1, shape(8))
+        zero_config.deepspeed_config(ds_args(zero_stage=2, offload="nvme"), 1, 10, 1, shape(8))
 
 
 def test_a_scheduler_block_is_filled(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
         "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}))
-    config = zero.deepspeed_config(ds_args(str(path)), 1, 100, 5, shape(8))
+    config = zero_config.deepspeed_config(ds_args(str(path)), 1, 100, 5, shape(8))
     assert config["scheduler"]["params"] == {
         "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
 
@@ -212,16 +212,16 @@ def test_errors_name_both_sides(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(SystemExit, match="error: ") as e:
-        zero.deepspeed_config(ds_args(str(path)), 2, 100, 5, shape(8))
+        zero_config.deepspeed_config(ds_args(str(path)), 2, 100, 5, shape(8))
     assert message in str(e.value)
 
 
 def test_bad_files(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
-        zero.deepspeed_config(ds_args(str(tmp_path / "nope.json")), 1, 1, 1, shape(8))
+        zero_config.deepspeed_config(ds_args(str(tmp_path / "nope.json")), 1, 1, 1, shape(8))
     (tmp_path / "bad.json").write_text("{ not json")
     with pytest.raises(SystemExit, match="not valid JSON"):
-        zero.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, shape(8))
+        zero_config.deepspeed_config(ds_args(str(tmp_path / "bad.json")), 1, 1, 1, shape(8))
 
 
 @pytest.mark.parametrize("path", [ZERO2, ZERO3])
@@ -247,7 +247,7 @@ def test_the_trainer_leaves_no_auto_value_unfilled(path, device, ranks, overlap,
                            bf16=device == "cuda", bf16_full_eval=False, get_warmup_steps=lambda n: 0)
     hf.trainer_config_process(args)
     hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=768)), 100)
-    assert [k for k, v in zero._walk(hf.config) if v == "auto"] == []
+    assert [k for k, v in zero_config._walk(hf.config) if v == "auto"] == []
     section = hf.config["zero_optimization"]
     assert section["overlap_comm"] is overlap
     bucket = 768 * 768 if section["stage"] == 3 else int(2.5e7)
@@ -278,13 +278,13 @@ def test_bf16_at_zero0_is_autocast_over_fp32_weights_and_the_engines_own_above(s
     16-bit copies and keep them. fp16 stays DeepSpeed's (its loss scale; mends.py), on a GPU that has it."""
     from deepspeed.accelerator import get_accelerator
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
-    config = zero.deepspeed_config(ds_args(precision="bf16", zero_stage=stage), 1, 10, 1, shape(8))
+    config = zero_config.deepspeed_config(ds_args(precision="bf16", zero_stage=stage), 1, 10, 1, shape(8))
     if stage == 0:
         assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
         assert config["bf16"]["enabled"] is False
     else:
         assert "torch_autocast" not in config and config["bf16"]["enabled"] is True
-    fp16 = zero.deepspeed_config(ds_args(precision="fp16", zero_stage=0), 1, 10, 1, shape(8))  # DeepSpeed's, mended
+    fp16 = zero_config.deepspeed_config(ds_args(precision="fp16", zero_stage=0), 1, 10, 1, shape(8))  # DeepSpeed's
     assert "torch_autocast" not in fp16 and fp16["fp16"]["enabled"] is True
 
 
@@ -295,26 +295,26 @@ def test_a_files_own_precision_choice_at_zero0_is_kept_or_named(tmp_path):
     config = json.loads(open(ZERO2).read())
     config["bf16"]["enabled"] = True
     path.write_text(json.dumps(config))
-    kept = zero.deepspeed_config(ds_args(str(path), precision="bf16", zero_stage=0), 1, 10, 1, shape(8))
+    kept = zero_config.deepspeed_config(ds_args(str(path), precision="bf16", zero_stage=0), 1, 10, 1, shape(8))
     assert kept["bf16"]["enabled"] is True and "torch_autocast" not in kept
     config = json.loads(open(ZERO2).read())
     config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     path.write_text(json.dumps(config))
     with pytest.raises(SystemExit, match="torch_autocast autocasts to bfloat16 but --precision is fp32; remove the "
                                          "torch_autocast section or change --precision"):
-        zero.deepspeed_config(ds_args(str(path), precision="fp32", zero_stage=0), 1, 10, 1, shape(8))
+        zero_config.deepspeed_config(ds_args(str(path), precision="fp32", zero_stage=0), 1, 10, 1, shape(8))
 
 
 @pytest.mark.parametrize("cuda, ranks, overlap", [(True, 2, True), (True, 1, False), (False, 2, False)])
 def test_overlap_comm_only_where_a_reduction_can_overlap(cuda, ranks, overlap):
     """overlap_comm runs the reductions on a side CUDA stream: on one GPU there is nothing to overlap, only a wait."""
-    assert zero.tuned_values(2, 768, cuda, ranks)["overlap_comm"] is overlap
+    assert zero_config.tuned_values(2, 768, cuda, ranks)["overlap_comm"] is overlap
 
 
 def test_zero3_layers_are_leaves_sized_from_the_model():
     """The model's transformer layers (its _no_split_modules) and a mixture of experts' blocks are ZeRO-3's leaves;
     the reduce and prefetch buckets hold a layer, at most DeepSpeed's own 5e8 elements; without layers, the HF rule."""
-    from finetune import zero as z
+    from finetune import zero_config as z
     classes, largest = z.zero3_layers(z.meta_model(shape(64)))
     assert classes == ["OPTDecoderLayer"] and largest == layer_params(64)
     values = z.tuned_values(3, 8192, True, 8, layer_params=12 * 8192 * 8192)  # a 70B-wide layer: capped

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import load_script
-from finetune import blocks, checkpoints, data, distributed, flags, hardware, mends, zero
+from finetune import blocks, checkpoints, data, distributed, flags, hardware, mends, zero_config
 from finetune.hardware import Facts
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -268,16 +268,16 @@ def test_mixtures_of_experts_are_zero3_leaf_modules_found_by_their_structure(tmp
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=1, num_experts_per_tok=2)
     olmoe, gpt_oss = OlmoeConfig(**small, num_experts=4), GptOssConfig(**small, num_local_experts=4, head_dim=8)
-    assert zero.moe_blocks(zero.meta_model(olmoe))[-1:] == ["OlmoeSparseMoeBlock"]
-    assert zero.moe_blocks(zero.meta_model(gpt_oss))[-1:] == ["GptOssMLP"]
+    assert zero_config.moe_blocks(zero_config.meta_model(olmoe))[-1:] == ["OlmoeSparseMoeBlock"]
+    assert zero_config.moe_blocks(zero_config.meta_model(gpt_oss))[-1:] == ["GptOssMLP"]
     args = load_script("zero-optimization.py").parse_args(["--zero-stage", "3", "--precision", "fp32", "--batch-size",
                                                             "1", "--lr", "1e-3"])
-    assert "OlmoeSparseMoeBlock" in zero.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"][
-        "classes"]
-    own = json.loads(open(zero.DEFAULT_CONFIG).read())
+    leaves = zero_config.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"]["classes"]
+    assert "OlmoeSparseMoeBlock" in leaves
+    own = json.loads(open(zero_config.DEFAULT_CONFIG).read())
     own["zero_optimization"]["leaf_module"] = {"classes": []}  # off
     (tmp_path / "ds.json").write_text(json.dumps(own))
-    own_config = zero.deepspeed_config(args.resolved(deepspeed=str(tmp_path / "ds.json")), 2, 10, 1, olmoe)
+    own_config = zero_config.deepspeed_config(args.resolved(deepspeed=str(tmp_path / "ds.json")), 2, 10, 1, olmoe)
     assert own_config["zero_optimization"]["leaf_module"] == {"classes": []}
 
 

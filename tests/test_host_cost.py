@@ -56,8 +56,8 @@ def test_every_stage_reads_at_most_one_value_more_and_never_synchronizes(counted
 
 
 def test_zero3_gathers_and_reduces_a_layer_at_a_time_on_two_ranks(counted):
-    """ZeRO-3 on 2 ranks with its transformer layers as leaves and buckets sized to a layer (zero.tuned_values): at
-    most 3 collectives a step per layer, where a weight matrix a collective and the small parameters gathered one by
+    """ZeRO-3 on 2 ranks with its transformer layers as leaves and buckets sized to a layer (zero_config.tuned_values):
+    at most 3 collectives a step per layer, where a weight matrix a collective and the small parameters gathered one by
     one after every step made 343 for 12 layers (196 all-gathers, 147 reduce-scatters)."""
     zero3 = counted("ZeRO-3", ranks=2)
     gathers, reductions = zero3["collectives"]["_allgather_base"], zero3["collectives"]["_reduce_scatter_base"]

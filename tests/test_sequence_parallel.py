@@ -8,7 +8,7 @@ import torch
 from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
                      crash_after_first_checkpoint, launch, load_script, results, weights)
 from finetune import sequence_parallel as sp
-from finetune import zero
+from finetune import zero_config
 from test_models import build
 
 single = load_script("single-gpu.py")
@@ -150,13 +150,13 @@ def test_zero3_under_sequence_parallelism_keeps_its_reduce_scatter(tiny, tmp_pat
     import json
     from transformers import AutoConfig
 
-    config = json.loads(open(zero.DEFAULT_CONFIG).read())
+    config = json.loads(open(zero_config.DEFAULT_CONFIG).read())
     config["zero_optimization"]["reduce_scatter"] = False
     (tmp_path / "ds.json").write_text(json.dumps(config))
     args = load_script(ZERO).parse_args(base_args(tiny, tmp_path / "run") + [
         "--deepspeed", str(tmp_path / "ds.json"), "--sequence-parallel", "2"])
     with pytest.raises(SystemExit, match="needs zero_optimization.reduce_scatter true at stage 3"):
-        zero.deepspeed_config(args, 2, 4, 1, AutoConfig.from_pretrained(tiny["model"]))
+        zero_config.deepspeed_config(args, 2, 4, 1, AutoConfig.from_pretrained(tiny["model"]))
 
 
 @pytest.mark.quick

@@ -113,10 +113,10 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_bf16_under_zero_tracks_the_single_process_bf16_run(tiny, tmp_path, reference, stage):
     """bf16, what users run on GPUs, on CPU. ZeRO-0 runs single-gpu.py's own bf16, torch's autocast over fp32 weights
-    (zero.autocast_at_stage0): the same numbers but for the order the two ranks' gradients are summed in. ZeRO-2 and
-    3 keep the engine's bf16 weights (fp32 masters), which round differently (layer norms, the engine's 16-bit copy):
-    measured 4e-5 apart in the losses, where one process's bf16 run is 1.4e-5 from its fp32 run and a ZeRO run 4e-5
-    from it. So: within 1e-4 of the bf16 run (ZeRO-0: 1e-5), and further from the fp32 one than a ZeRO run that
+    (zero_config.autocast_at_stage0): the same numbers but for the order the two ranks' gradients are summed in. ZeRO-2
+    and 3 keep the engine's bf16 weights (fp32 masters), which round differently (layer norms, the engine's 16-bit
+    copy): measured 4e-5 apart in the losses, where one process's bf16 run is 1.4e-5 from its fp32 run and a ZeRO run
+    4e-5 from it. So: within 1e-4 of the bf16 run (ZeRO-0: 1e-5), and further from the fp32 one than a ZeRO run that
     trained in fp32 is (~1e-7), and the engine says which bf16 it ran."""
     single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "bf16"}))
     argv = base_args(tiny, tmp_path / "two", **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage,
@@ -160,7 +160,7 @@ def test_fp16_under_zero_tracks_the_single_process_fp16_run(tiny, tmp_path, monk
     scale doubling every 3 clean steps. They round differently: measured 2e-4 apart in the losses and 4e-3 in the
     norms, as far as either is from fp32 (so no tolerance tells fp16 from fp32 here: what ran is read from the
     engine). What DeepSpeed 0.19.8 gets wrong is a factor of 2 or more: ZeRO-0 leaves the loss unscaled in backward
-    (updates 2^-16 times too small), and every stage grows the scale before unscaling with it (zero.mend)."""
+    (updates 2^-16 times too small), and every stage grows the scale before unscaling with it (mends.mend)."""
     from finetune import training
     monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 10)
     monkeypatch.setitem(training.FP16_SCALER, "growth_interval", 3)
