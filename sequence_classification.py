@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 # finetune before the Trainer: importing the Trainer imports bitsandbytes, whose notice finetune/__init__.py quiets
-from finetune import checkpoints, data, demo, distributed, hardware, models, training, zero_config
+from finetune import base, checkpoints, data, demo, distributed, hardware, models, training, zero_config
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -29,18 +29,18 @@ def class_labels(train, evaluation, column, name):
     """Class names in a stable order, and both splits with a `labels` column of class ids 0..K-1. String labels
     become ids; a ClassLabel column keeps its names; integer labels keep their order."""
     if column not in train.column_names:
-        training.fail(f"dataset {name} has no column {column!r} (it has {', '.join(train.column_names)}); pass "
-                      f"--label-column")
+        base.fail(f"dataset {name} has no column {column!r} (it has {', '.join(train.column_names)}); pass "
+                  f"--label-column")
     feature = train.features[column]
     if hasattr(feature, "names"):  # a ClassLabel: already ids, with names
         names = list(feature.names)
     else:
         values = set(train[column]) | set(evaluation[column])
         if None in values:
-            training.fail(f"dataset {name} has rows without a label in column {column!r}; drop or label them")
+            base.fail(f"dataset {name} has rows without a label in column {column!r}; drop or label them")
         names = sorted(values, key=lambda v: (isinstance(v, str), v))
     if len(names) < 2:
-        training.fail(f"dataset {name} has a single class ({names[0]!r}) in column {column!r}: nothing to learn")
+        base.fail(f"dataset {name} has a single class ({names[0]!r}) in column {column!r}: nothing to learn")
     ids = {v: i for i, v in enumerate(names)} if not hasattr(feature, "names") else {i: i for i in range(len(names))}
     to_ids = lambda batch: {"labels": [ids[v] for v in batch]}
     train, evaluation = (split.map(to_ids, input_columns=column, batched=True) for split in (train, evaluation))
@@ -93,8 +93,8 @@ def trainer_optimizer(config, args, path):
         return {}
     for key, flag in (("lr", "--lr"), ("weight_decay", "--weight-decay")):
         if params.get(key, "auto") not in ("auto", getattr(args, key)):
-            training.fail(f"{path} sets optimizer.params.{key}={params[key]} but {flag} is {getattr(args, key)}; "
-                          f"set it to \"auto\" or change the flag")
+            base.fail(f"{path} sets optimizer.params.{key}={params[key]} but {flag} is {getattr(args, key)}; "
+                      f"set it to \"auto\" or change the flag")
     config.pop("optimizer")
     kwargs = {}
     if params.get("betas", "auto") != "auto":
@@ -146,16 +146,16 @@ def check_trainer_resume(folder, world_size, deepspeed, rank):
     DeepSpeed's traceback on every rank."""
     done = complete_checkpoints(folder)
     if not done:
-        training.fail(f"--resume: {folder} has no complete checkpoint; start over with --overwrite")
+        base.fail(f"--resume: {folder} has no complete checkpoint; start over with --overwrite")
     last = done[-1]
     for partial in Path(folder).glob("checkpoint-*"):
         if rank == 0 and partial not in done and int(partial.name.split("-")[1]) > int(last.name.split("-")[1]):
             shutil.rmtree(partial, ignore_errors=True)
     saved = len(list(Path(last).glob("rng_state_*.pth"))) or 1  # the Trainer saves one RNG state per process
     if deepspeed and saved != world_size:
-        training.fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with "
-                      f"{saved} (the Trainer loads DeepSpeed's optimizer shards as they are; zero-optimization.py can "
-                      f"change the number)")
+        base.fail(f"--resume: {last} was written by {saved} ranks and this run has {world_size}; resume with "
+                  f"{saved} (the Trainer loads DeepSpeed's optimizer shards as they are; zero-optimization.py can "
+                  f"change the number)")
     return Path(last)
 
 
@@ -203,7 +203,7 @@ def parse_args(argv=None):
     p.add_argument("--verbose", action="store_true", help="the libraries' warnings and logs too")
     p.add_argument("--demo", action="store_true", help="tiny encoder + generated corpus shipped with the repo")
     # DeepSpeed: off without the flag; --deepspeed alone is ds_config_zero2.json
-    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(training.ROOT / "ds_config_zero2.json"),
+    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(base.ROOT / "ds_config_zero2.json"),
                    metavar="CONFIG", help="DeepSpeed JSON config")
     p.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective waits (a save, a lost rank)")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -230,7 +230,7 @@ def main(argv=None):
     hardware.set_matmul_precision(args.precision)
     for flag in ("lr", "batch_size", "grad_accum", "max_length", "epochs"):
         if getattr(args, flag) <= 0:
-            training.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+            base.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
     hidden_size = models.load_pretrained(AutoConfig, args.model, **remote).hidden_size
     ds_config, optimizer_args = trainer_deepspeed_config(args.deepspeed, device, hidden_size, args)
@@ -250,8 +250,8 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data
     train, evaluation = data.load_splits(args.dataset, seed=args.seed)
     if args.text_column not in train.column_names:
-        training.fail(f"dataset {args.dataset} has no column {args.text_column!r} (it has "
-                      f"{', '.join(train.column_names)}); pass --text-column")
+        base.fail(f"dataset {args.dataset} has no column {args.text_column!r} (it has "
+                  f"{', '.join(train.column_names)}); pass --text-column")
     names, train, evaluation = class_labels(train, evaluation, args.label_column, args.dataset)
     examples = list(evaluation.select(range(min(3, len(evaluation))))[args.text_column])  # shown at the end
     tokenizer = models.load_pretrained(AutoTokenizer, args.model, **remote)
@@ -312,7 +312,7 @@ def main(argv=None):
                                               for h in trainer.state.log_history if "loss" in h]}
     unset_hf_deepspeed_config()  # from here on from_pretrained loads a whole model (no ZeRO-3 partitioning)
     if rank == 0:
-        training.write_json(out / "results.json", results)
+        base.write_json(out / "results.json", results)
         say(f"accuracy {results['accuracy']:.3f} | macro-F1 {results['f1_macro']:.3f} | "
             f"eval loss {results['eval_loss']:.4f} | saved {final}")
         classify = pipeline("text-classification", model=str(final), device=device, **remote)

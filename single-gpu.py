@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from finetune import checkpoints, data, flags, hardware, loss, models, preference, training
+from finetune import base, checkpoints, data, evaluation, flags, hardware, loss, models, preference, progress, training
 
 
 def parse_args(argv=None):
@@ -51,8 +51,8 @@ def main(argv=None):
     global_batch = config.train.batch_size * config.train.grad_accum * world_size  # sequences per optimizer step
     batches = training.GlobalBatches(len(train), global_batch, config.train.seed)
     if batches.steps_per_epoch == 0:
-        training.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
-                      f"lower --batch-size or --grad-accum, or add data")
+        base.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
+                  f"lower --batch-size or --grad-accum, or add data")
     total_steps = config.train.max_steps or math.ceil(config.train.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(config.train.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
@@ -70,7 +70,7 @@ def main(argv=None):
     if config.model.compile:  # in place: the state dict keeps its names: checkpoints, save_pretrained unchanged
         model.compile()
     process = training.Process(device, rank, world_size, autocast, tokenizer.pad_token_id, model_config, say)
-    stats = training.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
+    stats = progress.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
     stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
     if folder:  # into the model, the optimizer, the schedule and the scaler; nothing of the file is kept
         stats.restore(checkpoints.load_state(folder, model, optimizer, scheduler, scaler, device))
@@ -108,13 +108,13 @@ def main(argv=None):
         stats.end_step(step_loss, train, indices, grad_norm)
 
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
-            say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))
+            say(stats.log_interval(step, total_steps, scheduler.get_last_lr()[0]))
         if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
             with stats.paused():  # every rank evaluates its share of the eval set
-                result = training.evaluate(model, evals, config.train, process)
+                result = evaluation.evaluate(model, evals, config.train, process)
                 answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
                     if stats.trackers.names else None  # a few eval prompts answered, for the trackers
-            say(stats.eval_line(step, result, answers))
+            say(stats.log_eval(step, result, answers))
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or stats.save_due(step, total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
@@ -136,8 +136,8 @@ def main(argv=None):
     results = {**stats.results(world_size, global_batch, held), "sample": sample}
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model, tokenizer, final)
-        training.write_json(out / "results.json", results)
-        training.plot_losses(stats.losses, out / "loss.png")
+        base.write_json(out / "results.json", results)
+        progress.plot_losses(stats.losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
     return results
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
-from finetune import checkpoints, data, flags, hardware, loss, models, preference, training
+from finetune import base, checkpoints, data, evaluation, flags, hardware, loss, models, preference, progress, training
 from finetune import distributed, mends, zero, zero_config  # ZeRO
 
 
@@ -66,8 +66,8 @@ def main(argv=None):
     global_batch //= config.sequence_parallel  # ZeRO: the ranks of a sequence-parallel group share their rows
     batches = training.GlobalBatches(len(train), global_batch, config.train.seed)
     if batches.steps_per_epoch == 0:
-        training.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
-                      f"lower --batch-size or --grad-accum, or add data")
+        base.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
+                  f"lower --batch-size or --grad-accum, or add data")
     total_steps = config.train.max_steps or math.ceil(config.train.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(config.train.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
@@ -89,7 +89,7 @@ def main(argv=None):
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
     mends.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, its slow paths (finetune/mends.py)
     process = training.Process(device, rank, world_size, autocast, tokenizer.pad_token_id, model_config, say)
-    stats = training.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
+    stats = progress.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
     stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards
@@ -127,13 +127,13 @@ def main(argv=None):
         stats.end_step(step_loss, train, indices, grad_norm)
 
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
-            say(stats.log_line(step, total_steps, scheduler.get_last_lr()[0]))
+            say(stats.log_interval(step, total_steps, scheduler.get_last_lr()[0]))
         if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
             with stats.paused():  # every rank evaluates its share of the eval set
-                result = training.evaluate(model, evals, config.train, process)
+                result = evaluation.evaluate(model, evals, config.train, process)
                 answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
                     if stats.trackers.names else None  # a few eval prompts answered, for the trackers
-            say(stats.eval_line(step, result, answers))
+            say(stats.log_eval(step, result, answers))
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or stats.save_due(step, total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
@@ -160,8 +160,8 @@ def main(argv=None):
     results = {**stats.results(world_size, global_batch, held), "sample": sample}
     if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
         models.save_final(model.module, tokenizer, final, state)  # ZeRO: the engine wraps the model
-        training.write_json(out / "results.json", results)
-        training.plot_losses(stats.losses, out / "loss.png")
+        base.write_json(out / "results.json", results)
+        progress.plot_losses(stats.losses, out / "loss.png")
     say(f"saved {final} and {out / 'results.json'}")
     torch.distributed.destroy_process_group()  # ZeRO: leave the group cleanly
     return results

@@ -11,7 +11,7 @@ one.
 
 Columns: useful tokens/s after the warm-up (the first log interval) and its ratio to single-gpu.py's and the
 Trainer's; MFU; peak memory allocated beside plan.py's planned peak for the run; per step the kernel launches and
-device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: training.profile; inside the warm-up interval);
+device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: progress.profile; inside the warm-up interval);
 the last loss beside single-gpu.py's. Random weights (they time as trained ones) and generated reviews.
 """
 import argparse
@@ -89,7 +89,7 @@ def steady_tokens_per_sec(r):
 
 
 def profiled(folder):
-    """(kernel launches, device syncs) per step, from training.profile's counts."""
+    """(kernel launches, device syncs) per step, from progress.profile's counts."""
     path = folder / "profile" / "profile-rank0.json"
     if not path.exists():
         return None, None
@@ -151,7 +151,7 @@ def main(argv=None):
         row.update(status="ok", seconds=seconds, tok_s=steady_tokens_per_sec(r), peak=r["peak_memory_bytes"],
                    planned=planned_peak(model, option, shape, args.dry), loss=r["losses"][-1])
         row["launches"], row["syncs"] = profiled(folder)
-        row["mfu"] = r.get("mfu")  # ours: over the steady intervals, against the card's peak (training.RunStats)
+        row["mfu"] = r.get("mfu")  # ours: over the steady intervals, against the card's peak (progress.RunStats)
     table = report(rows, f"{device}, {'fp32' if args.dry else 'bf16'}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "GPU.md").write_text(table + "\n")

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from finetune import demo, training  # noqa: E402
+from finetune import demo, progress  # noqa: E402
 
 RUNS = {  # name -> (script, its flags)
     "single-gpu.py": ("single-gpu.py", []),
@@ -162,7 +162,7 @@ def load_script(name):
 def count(script, argv, where=False, step=COUNTED_STEP):
     """Run script's main(argv) in this process and count one steady step: from the end of step `step` to the end of
     the next (what the loop does after a step, its checks, then a whole step)."""
-    counter, end_step = HostWork(where), training.RunStats.end_step
+    counter, end_step = HostWork(where), progress.RunStats.end_step
     active = contextlib.ExitStack()
 
     def counting_end_step(stats, *args, **kwargs):
@@ -172,13 +172,13 @@ def count(script, argv, where=False, step=COUNTED_STEP):
         elif stats.step == step + 1:
             active.close()
 
-    training.RunStats.end_step = counting_end_step
+    progress.RunStats.end_step = counting_end_step
     try:
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             load_script(script).main(argv)
     finally:
         active.close()
-        training.RunStats.end_step = end_step
+        progress.RunStats.end_step = end_step
     return counter.result()
 
 

@@ -23,7 +23,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerC
                           default_data_collator)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune import data, distributed, training, zero_config  # noqa: E402
+from finetune import base, data, distributed, progress, zero_config  # noqa: E402
 
 
 # ZeRO-2 as transformers' DeepSpeed integration documents it (docs: "ZeRO-2 example"), "auto" filled by the Trainer
@@ -41,10 +41,10 @@ HF_ZERO2 = {
 
 
 class Profile(TrainerCallback):
-    """TRAIN_PROFILE=folder: the same profile as training.profile, of the Trainer's steps."""
+    """TRAIN_PROFILE=folder: the same profile as progress.profile, of the Trainer's steps."""
 
     def on_step_end(self, args, state, control, **kwargs):
-        training.profile(state.global_step)
+        progress.profile(state.global_step)
 
 
 class TrainingTime(TrainerCallback):
@@ -118,10 +118,10 @@ def main():
     # every step costs the same (all rows of the same length), so the steady steps train the mean useful tokens each
     steady = dict(steps=args.steps - warmup, seconds=clock.seconds, tokens=useful * (args.steps - warmup) / args.steps)
     if int(os.environ.get("RANK", 0)) == 0:
-        training.write_json(Path(args.output_dir) / "results.json", {
+        base.write_json(Path(args.output_dir) / "results.json", {
             "steady": steady, "train_tokens": useful, "losses": [out.training_loss], "world_size": world_size,
             "global_batch_size": args.batch_size * world_size, "steps": args.steps,
-            "peak_memory_bytes": training.peak_memory_bytes(torch.device("cuda" if cuda else "cpu"))})
+            "peak_memory_bytes": progress.peak_memory_bytes(torch.device("cuda" if cuda else "cpu"))})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune import data, distributed, training, zero_config  # noqa: E402
+from finetune import base, data, distributed, zero_config  # noqa: E402
 from peers import HF_ZERO2  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main():
     trainer.save_model(str(Path(args.output_dir) / "final"))
     if int(os.environ.get("RANK", 0)) == 0:
         tokenizer.save_pretrained(str(Path(args.output_dir) / "final"))
-        training.write_json(Path(args.output_dir) / "results.json", {
+        base.write_json(Path(args.output_dir) / "results.json", {
             "train_loss": out.training_loss, "steps": out.global_step, "train_runtime_s": out.metrics["train_runtime"],
             "pairs": len(train)})
 

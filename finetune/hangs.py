@@ -48,7 +48,7 @@ clock = time.monotonic  # (a test drives it)
 
 
 def progress():
-    """A micro-step is made (training.RunStats.micro_step): the rank is alive and working."""
+    """A micro-step is made (progress.RunStats.micro_step): the rank is alive and working."""
     watchdog = active
     if watchdog is not None and watchdog.last is not None:  # armed (after the first step) and not stopped
         watchdog.last = clock()

@@ -243,7 +243,7 @@ def answers(model, tokenizer, examples, fmt, device, rank, autocast):
     """The model's answers to the prompts of a few eval rows (chats: the turns before the last assistant's;
     prompt/completion: the prompt), beside the expected ones, for the trackers at each eval, under the run's
     precision. Greedy: no random number is drawn, so training goes on exactly as without it. None for plain text;
-    the exception where it fails (RunStats.eval_line says it once: a view of the run, never a reason to stop it)."""
+    the exception where it fails (RunStats.log_eval says it once: a view of the run, never a reason to stop it)."""
     if fmt == "text" or not examples or not _generates(model, rank):
         return None
     rows = []

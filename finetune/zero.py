@@ -10,15 +10,15 @@ import time
 
 import torch
 
-from . import checkpoints, hardware, mends, training
+from . import checkpoints, hardware, mends
 from . import sequence_parallel as finetune_sp
-from .base import fail
+from .base import ROOT, fail
 
 
 def autocast(engine, device, precision):
     """The script's autocast under the engine: none where the engine holds 16-bit weights itself (and fp32 masters);
-    at ZeRO-0 in bf16, where the engine autocasts over fp32 weights (zero_config.autocast_at_stage0), the same autocast around
-    what runs outside its forward too (generating the samples), as in single-gpu.py."""
+    at ZeRO-0 in bf16, where the engine autocasts over fp32 weights (zero_config.autocast_at_stage0), the same
+    autocast around what runs outside its forward too (generating the samples), as in single-gpu.py."""
     return hardware.autocast(device, precision if engine.torch_autocast_enabled() else "none")
 
 
@@ -84,7 +84,7 @@ def universal_checkpoint(folder, rank, poll_seconds=1.0):
                                   "--inject_missing_state", "--num_extract_workers", str(max(1, min(cores, shards))),
                                   "--num_merge_workers", str(max(1, min(cores, 8)))], capture_output=True, text=True,
                                  env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
-                                     str(training.ROOT), os.environ.get("PYTHONPATH"))))})
+                                     str(ROOT), os.environ.get("PYTHONPATH"))))})
         if convert.returncode != 0:
             last = (convert.stderr.strip() or convert.stdout.strip() or "no output").splitlines()[-1]
             fail(f"--resume: DeepSpeed could not convert {folder} to a universal checkpoint ({last}); resume with "

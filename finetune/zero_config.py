@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, mends, quantization, training
+from . import hardware, mends, quantization
 from . import sequence_parallel as finetune_sp
-from .base import fail
+from .base import ROOT, fail
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER
 
-DEFAULT_CONFIG = training.ROOT / "ds_config_zero3.json"
+DEFAULT_CONFIG = ROOT / "ds_config_zero3.json"
 
 
 # ----------------------------------------------------------------------------------------------------

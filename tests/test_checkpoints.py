@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune import checkpoints, training, zero
+from finetune import base, checkpoints, zero
 from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
                      crash_after_first_checkpoint, launch, load_script, long_run, results, weights)
 
@@ -219,7 +219,7 @@ def test_publish_never_deletes_the_best_checkpoint(tmp_path):
     """--keep-checkpoints 1 with the lowest eval loss at step 4: step 4 stays beside the newest, whatever its age."""
     for step, loss in ((2, 3.0), (4, 1.5), (6, 2.0), (8, None), (10, 2.5)):
         (tmp_path / f".tmp-step-{step}").mkdir()
-        training.write_json(tmp_path / f".tmp-step-{step}" / "run.json", {"step": step, "eval_loss": loss})
+        base.write_json(tmp_path / f".tmp-step-{step}" / "run.json", {"step": step, "eval_loss": loss})
         checkpoints.publish(tmp_path, f"step-{step}", keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-10", "step-4"]
     assert checkpoints.best(tmp_path).name == "step-4"
@@ -251,7 +251,7 @@ def test_final_best_is_the_checkpoint_publish_kept(tmp_path):
         folder = tmp_path / "checkpoints" / f".tmp-step-{step}"
         folder.mkdir(parents=True)
         torch.save({"model": weights_at[step]}, folder / "state.pt")
-        training.write_json(folder / "run.json", {"step": step, "eval_loss": loss, "world_size": 1})
+        base.write_json(folder / "run.json", {"step": step, "eval_loss": loss, "world_size": 1})
         checkpoints.publish(tmp_path / "checkpoints", f"step-{step}", keep=1)
     model.load_state_dict(weights_at[6])
     stats = SimpleNamespace(step=6, evals=[[2, 0.5], [3, 0.2], [4, 0.3], [6, 0.4]], rank=0, ranks=1, final_step=None)

@@ -5,13 +5,13 @@ import types
 import pytest
 from transformers import OPTConfig
 
-from finetune import training, zero_config
+from finetune import base, training, zero_config
 from helpers import load_script
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
-ZERO3 = str(training.ROOT / "ds_config_zero3.json")
-ZERO2 = str(training.ROOT / "ds_config_zero2.json")
+ZERO3 = str(base.ROOT / "ds_config_zero3.json")
+ZERO2 = str(base.ROOT / "ds_config_zero2.json")
 
 
 def shape(hidden_size):

@@ -9,7 +9,7 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
                           OPTConfig)
 
-from finetune import blocks, data, flags, loss, models, training
+from finetune import blocks, data, evaluation, flags, loss, models, training
 from helpers import data_args, documents_of
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -128,7 +128,7 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     sums = {}
     for packing in ("isolated", "none"):
         _, evals = data.prepare(data_args(tiny["chats"], block_size=256, packing=packing), tokenizer)
-        sums[packing] = training.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
+        sums[packing] = evaluation.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
     assert sums["isolated"][1] == sums["none"][1] > 0  # the same tokens carry loss
     assert (sums["isolated"][0] / sums["isolated"][1]).item() == pytest.approx(
         (sums["none"][0] / sums["none"][1]).item(), rel=1e-5)
@@ -137,7 +137,7 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     from torch._dynamo.utils import counters
     model.compile(backend="eager")
     frames = counters["frames"]["total"]
-    compiled = training.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
+    compiled = evaluation.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
     answer = models._generate(model, tokenizer, tokenizer("Review:")["input_ids"], torch.device("cpu"),
                               torch.autocast("cpu", enabled=False), max_new_tokens=3)
     assert counters["frames"]["total"] == frames and isinstance(answer, str)

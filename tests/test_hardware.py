@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import load_script
-from finetune import blocks, checkpoints, data, distributed, flags, hardware, mends, zero_config
+from finetune import blocks, checkpoints, data, distributed, flags, hardware, mends, progress, zero_config
 from finetune.hardware import Facts
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -317,11 +317,9 @@ def test_a_mixture_of_experts_computes_its_experts_in_the_runs_16_bits(tmp_path,
 
 
 def test_a_gpu_runs_profile_records_its_kernels():
-    from finetune import training
-
     cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
-    assert training.profiled(True) == ([cpu, cuda], "self_device_time_total")
-    assert training.profiled(False) == ([cpu], "self_cpu_time_total")
+    assert progress.profiled(True) == ([cpu, cuda], "self_device_time_total")
+    assert progress.profiled(False) == ([cpu], "self_cpu_time_total")
 
 
 @pytest.mark.parametrize("environ, usable, node, threads", [

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from finetune import checkpoints, hangs, training
+from finetune import checkpoints, hangs, progress
 from helpers import (ROOT, TEST_HOOKS, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
                      long_run, load_script, results, stop_everything, weights)
 
@@ -78,7 +78,7 @@ def test_a_signal_in_one_process_stops_after_the_step_in_flight(tiny, tmp_path, 
     single.main(argv)
     out = tmp_path / "run"
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--max-steps": 6}) + ["--resume", "auto"]
-    end_step = training.RunStats.end_step
+    end_step = progress.RunStats.end_step
 
     def signalled(stats, *args):
         if stats.step == 2:  # in step 3
@@ -86,7 +86,7 @@ def test_a_signal_in_one_process_stops_after_the_step_in_flight(tiny, tmp_path, 
             os.kill(os.getpid(), signal.SIGUSR1)
         end_step(stats, *args)
 
-    monkeypatch.setattr(training.RunStats, "end_step", signalled)
+    monkeypatch.setattr(progress.RunStats, "end_step", signalled)
     with pytest.raises(SystemExit) as e:
         single.main(argv)
     assert e.value.code == checkpoints.STOPPED and (out / "checkpoints" / "latest").read_text() == "step-3"
@@ -347,7 +347,7 @@ def test_micro_steps_are_progress_so_a_long_step_is_not_a_hang(tmp_path, monkeyp
     hangs.progress()  # start-up, the first step: not watched yet
     assert watchdog.last is None
     watchdog.beat(1)
-    micro_step = lambda: training.RunStats.micro_step(SimpleNamespace(step_pairs=None), loss.Summed(torch.zeros(())))
+    micro_step = lambda: progress.RunStats.micro_step(SimpleNamespace(step_pairs=None), loss.Summed(torch.zeros(())))
     for _ in range(10):
         now[0] += 200
         assert not watchdog.overdue(watchdog.last)

@@ -1,0 +1,51 @@
+"""Evaluation during and after training: the mean loss over an eval split's tokens that carry loss (or, for
+preference pairs, the mean DPO loss and the reward accuracy), every rank evaluating its share, without drawing a
+random number or changing the training."""
+import math
+
+import torch
+
+from . import loss
+from .blocks import rank_batches
+
+
+@torch.no_grad()
+def eval_loss_sums(model, blocks, train, process):
+    """(summed loss, predicted tokens, 0) over this rank's share of the eval set, as a float64 tensor to all-reduce;
+    for preference pairs (summed DPO loss, pairs, pairs ranked right). Every rank runs the same number of forward
+    passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out.
+    `train`: flags.Train (--batch-size sequences a rank and pass, --beta); `process`: training.Process."""
+    model.eval()
+    total = torch.zeros(3, dtype=torch.float64, device=process.device)
+    pairs = None
+    for mine in rank_batches(len(blocks), train.batch_size, process.rank, process.world_size):
+        inputs, targets = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device,
+                                       process.model_config, carry_loss=len(mine) > 0)
+        # eagerly under --compile: in eval mode without gradients dynamo compiles every graph anew, which takes
+        # longer than most evals run (docs/zero.md)
+        with process.autocast, torch.compiler.set_stance("force_eager"):
+            summed = loss.token_loss_sum(model, inputs, targets, train.beta)
+        total[0] += summed.loss.double()
+        total[1] += targets.counted
+        if summed.pair_metrics is not None:
+            pairs = summed.pair_metrics + (0 if pairs is None else pairs)
+    if pairs is not None:
+        total[2] = pairs[2]
+    model.train()
+    return total
+
+
+def evaluate(model, blocks, train, process):
+    """(eval loss, tokens, None): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
+    completion and chats), every rank evaluating its share; for preference pairs (the mean DPO loss, pairs, the
+    reward accuracy). It draws no random numbers and leaves the model in training mode: a run that evaluates trains
+    exactly as one that does not."""
+    sums = eval_loss_sums(model, blocks, train, process)
+    if process.world_size > 1:
+        torch.distributed.all_reduce(sums)
+    accuracy = (sums[2] / sums[1]).item() if blocks.pieces is not None else None
+    return (sums[0] / sums[1]).item(), int(sums[1]), accuracy
+
+
+def perplexity(value):
+    return math.exp(value) if value < 700 else float("inf")  # exp overflows a float past ~709
