@@ -280,14 +280,14 @@ def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_time
     lines = [line for line in log.splitlines() if line.startswith("error: no progress")]
     assert len(lines) == 1 and "Traceback" not in log and "a collective failed" not in log, log[-3000:]
     # 'error: no progress for 6 s after step 3: rank 1 in beat at sitecustomize.py:NN; rank 0 in all_reduce at
-    # training.py:NN; rank 2 did not report (...); stacks in <out>/hang'
+    # progress.py:NN; rank 2 did not report (...); stacks in <out>/hang'
     assert lines[0].startswith("error: no progress for 6 s after step 3: ") and launcher.returncode == hangs.HUNG
     parts = lines[0].split(": ", 2)[2].split("; stacks")[0].split("; ")
     assert parts[-1].startswith("rank 2 did not report"), lines[0]
     where = dict(reversed(part.split(" in ", 1)) for part in parts[:-1])
     assert set(where.values()) == {"rank 0", "rank 1"}, lines[0]
     assert where_of(where, "rank 1").startswith("beat at sitecustomize.py:")  # where the test's hook holds it
-    assert where_of(where, "rank 0").startswith("all_reduce at training.py:")  # the logged losses after step 3
+    assert where_of(where, "rank 0").startswith("all_reduce at progress.py:")  # the logged losses after step 3
     for rank in (0, 1):
         stacks = (out / "hang" / f"rank-{rank}.txt").read_text()
         assert stacks.startswith(f"rank {rank}: no progress for 6 s after step 3 (which ended at ")
