@@ -221,3 +221,43 @@ def documents_of(split, i):
     tokens, flags = split.tokens[s:s + n], split.flags[s:s + n]
     starts = list(np.flatnonzero(flags & blocks.DOC_START)) + [n]
     return [tokens[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
+
+
+# The architectures people fine-tune, each as a tiny model (test_models.py's matrix)
+SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64)
+# family: (the config class, what makes it itself beyond the sizes above, what a user knows it as)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(head_dim=8, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16)), "Llama 3"),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), "Qwen 2.5"),
+    "qwen3": ("Qwen3Config", dict(head_dim=8, tie_word_embeddings=True), "Qwen 3"),
+    "mistral": ("MistralConfig", dict(head_dim=8, sliding_window=16), "Mistral"),
+    "gemma2": ("Gemma2Config", dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
+                                    final_logit_softcapping=30.0, attn_logit_softcapping=50.0), "Gemma 2"),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
+                                             layer_types=["sliding_attention", "full_attention"]), "Gemma 3"),
+    "phi3": ("Phi3Config", dict(sliding_window=None), "Phi-3"),
+    "olmo2": ("Olmo2Config", dict(), "OLMo 2"),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), "Mixtral"),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True), "Qwen3-MoE"),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), "OLMoE"),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                     sliding_window=16, max_position_embeddings=131072), "gpt-oss"),
+}
+
+
+def build(name, tokenizer, folder, **changes):
+    """The family's tiny model with random weights, saved as a pretrained one, with the tests' tokenizer."""
+    import transformers
+
+    class_name, features, _ = FAMILIES[name]
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id)
+    config = getattr(transformers, class_name)(**{**SIZES, **ids, **features, **changes})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -5,11 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, build, check,
                      crash_after_first_checkpoint, launch, load_script, results, weights)
 from finetune import sequence_parallel as sp
 from finetune import zero_config
-from test_models import build
 
 single = load_script("single-gpu.py")
 ZERO = "zero-optimization.py"
