@@ -149,6 +149,7 @@ class Blocks:
         self.pieces = np.load(folder / "pieces.npy") if self.format == "preference" else None  # pairs, block by block
         self.pairs_total = len(self.pieces) if self.pieces is not None else 0
         self.first_piece = np.cumsum(self.predicted) - self.predicted
+        self.packing = meta["packing"]
         self.split_rows = self.pieces is not None and meta["packing"] == "none"  # a pair's sequences: two rows
         self.reference = None  # the pairs' reference log-probabilities (with_reference)
         if len(self.starts) == 0 or self.predicted.sum() == 0:
@@ -174,14 +175,16 @@ class Blocks:
         cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
         return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
 
-    def batch(self, indices, pad_id, device, config, carry_loss=True, sequence_shard=None):
+    def batch(self, indices, pad_id, device, config, carry_loss=True, sequence_shard=None, width=None):
         """The model's inputs and the loss targets for these blocks. Labels are shifted here, on the host (label t
         is token t+1, or -100), so the loss never copies the logits to shift them; with them comes the flat index
         of the positions that carry loss, so the loss computes logits for those only. Each document attends only to
         itself: a block-diagonal causal mask (unless a row is one whole segment), or, with FlashAttention, the rows
         laid end to end without padding and cut at the documents' boundaries (varlen). Padding attends to itself
         only and carries no loss. `sequence_shard`: (this rank's place, ranks) in a sequence-parallel group: its
-        slice of the tokens and targets (sequence_parallel.py), no mask (the attention builds it)."""
+        slice of the tokens and targets (sequence_parallel.py), no mask (the attention builds it). `width`: rows
+        padded to this many tokens at least (--compile: one shape, one graph; FlashAttention's single row is left
+        as it is)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         first, lengths = self.starts[indices], self.lengths[indices]
         if self.split_rows:  # --packing none with pairs: the chosen sequence a row, the rejected the next
@@ -189,7 +192,7 @@ class Blocks:
                                for a, n in zip(first, lengths)])
             first = np.stack([first, first + chosen], 1).ravel()
             lengths = np.stack([chosen, lengths - chosen], 1).ravel()
-        width = int(lengths.max())
+        fixed, width = width, max(int(lengths.max()), width or 0)  # fixed: --compile's one shape
         cols = np.arange(width)
         real = cols[None, :] < lengths[:, None]
         where = np.where(real, first[:, None] + cols[None, :], 0)
@@ -225,7 +228,9 @@ class Blocks:
             cu = hardware.to_device(bounds, device)
             longest = int(np.diff(bounds).max())
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        elif starts[:, 1:].any():  # one causal segment per row and no padding: the model's own mask
+        elif starts[:, 1:].any() or fixed and self.packing != "stream":
+            # (else one causal segment a row, no padding: the model's own mask; under --compile only where every batch
+            # is so, a stream, so that one graph takes them all)
             causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
             same = (segments[:, None, :, None] == segments[:, None, None, :]) & causal
             if prefix is not None:  # a rejected answer's tokens also see the prompt in the segment before theirs
@@ -234,12 +239,12 @@ class Blocks:
                          & query[:, None, :, None])
             inputs["attention_mask"] = document_masks(same, config, layout, positions)
         if self.pieces is None:
-            return inputs, Targets(labels, index)
+            return inputs, dynamic(Targets(labels, index), fixed)
         # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
         pairs = self.pair_ids(indices) if carry_loss else np.zeros(0, np.int64)
         reference = self.reference[torch.from_numpy(pairs)].to(device) if self.reference is not None else None
-        return inputs, Targets(labels, index, hardware.to_device(sequence.ravel()[where_loss], device), len(pairs),
-                               reference)
+        return inputs, dynamic(Targets(labels, index, hardware.to_device(sequence.ravel()[where_loss], device),
+                                       len(pairs), reference), fixed)
 
     def pair_ids(self, indices):
         """The pairs (rows of the split) in these blocks, in the order their sequences lie in a batch of them."""
@@ -299,6 +304,17 @@ def attention_layout(implementation):
     if implementation and "flash" in implementation:  # flash_attention_2/3, and the hub's kernels of it
         return "varlen"
     return "additive" if implementation == "eager" else "bool"
+
+
+def dynamic(targets, width):
+    """Under --compile (a `width`), the loss's sizes marked dynamic: the count of tokens that carry loss (and of
+    pairs) changes from batch to batch, and the compiled forward, which takes the targets, would compile anew for the
+    first change."""
+    if width:
+        for tensor in (targets.index, targets.sequence, targets.reference):
+            if tensor is not None:
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return targets
 
 
 def rank_batches(count, batch_size, rank, world_size):

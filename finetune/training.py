@@ -107,3 +107,31 @@ class GlobalBatches:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             self._epoch, self._order = epoch, torch.randperm(self.num_blocks, generator=generator)
         return self._order[k * self.global_batch:(k + 1) * self.global_batch]
+
+
+class CompileWarmup:
+    """--compile: a run's graphs are compiled in its first steps; after them (STEPS) a batch that would need another
+    graph runs eagerly instead (torch's compiler stance eager_on_recompile, around each forward), so a run whose shapes
+    keep changing never compiles a step (chats on an H200 ran 10x slower compiled than eagerly). With the rows padded
+    to the block size and the loss's sizes dynamic (Blocks.batch's `width`), the warm-up compiles one graph. Said once,
+    as the warm-up ends. `width`: what Blocks.batch pads the rows to (None without --compile)."""
+    STEPS = 3
+
+    def __init__(self, enabled, block_size, say):
+        self.enabled, self.say, self.first = enabled, say, None
+        self.width = block_size if enabled else None
+
+    def after_warmup(self, step):
+        """The context for step `step`'s forward passes."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        self.first = step if self.first is None else self.first
+        if step - self.first < self.STEPS:
+            return contextlib.nullcontext()
+        if step - self.first == self.STEPS:
+            from torch._dynamo.utils import counters
+
+            graphs = counters["stats"]["unique_graphs"]
+            self.say(f"--compile: {graphs} graph{'s' * (graphs != 1)} compiled in the first {self.STEPS} steps; from "
+                     f"here a batch of another shape runs eagerly, never compiled anew")
+        return torch.compiler.set_stance("eager_on_recompile")

@@ -371,3 +371,57 @@ def test_a_generation_that_failed_on_some_zero3_ranks_ends_the_run_and_on_all_is
     for thread in ranks:
         thread.join()
     assert done == [None, None, None]
+
+
+def test_compile_makes_one_graph_and_then_never_compiles_anew(tiny, tmp_path, monkeypatch, capsys):
+    """--compile: batches that vary in width and in their count of tokens that carry loss (a review a row), padded
+    to the block size with the loss's sizes dynamic (Blocks.batch's width), compile one graph (dynamo's own count;
+    without them, a second for the second batch). After the warm-up (training.CompileWarmup) a batch of another shape
+    runs eagerly, never compiled anew, said once; a --compile run trains to the eager run's losses. (dynamo's eager
+    backend: what is counted is the graphs; no profile of earlier runs: torch's local PGO off.)"""
+    from torch._dynamo.utils import counters
+
+    from finetune import loss
+    from helpers import data_args
+
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_local_pgo", False)
+    tokenizer = models.load_tokenizer(tiny["model"])
+    train = data.prepare(data_args(tiny["data"], block_size=64, packing="none"), tokenizer)[0]
+    order = train.lengths.argsort().tolist()  # the shortest rows first: a width each pair
+    rows = [order[2 * i:2 * i + 2] for i in range(8)]
+    assert len({int(train.lengths[r].max()) for r in rows}) > 2  # widths that differ
+    said = []
+    graphs = {}
+    for width in (None, 64):  # without the safety net
+        model = loss.attach(AutoModelForCausalLM.from_pretrained(tiny["model"], attn_implementation="sdpa"), 1024)
+        model.compile(backend="eager")
+        torch._dynamo.reset()
+        counters.clear()
+        for pair in rows:
+            inputs, targets = train.batch(pair, tokenizer.pad_token_id, torch.device("cpu"), model.config, width=width)
+            loss.token_loss_sum(model, inputs, targets).loss.backward()
+        graphs[width] = counters["stats"]["unique_graphs"]
+    assert graphs == {None: 3, 64: 1}  # unpadded: a static graph, a dynamic one, then the dynamic count of pairs
+    # the safety net: after 3 steps a batch of a width the graph was not made for runs eagerly, no new graph
+    counters.clear()
+    torch._dynamo.reset()
+    warmup = training.CompileWarmup(True, 64, said.append)
+    for step, width in enumerate([64, 64, 64, None]):
+        inputs, targets = train.batch(rows[step], tokenizer.pad_token_id, torch.device("cpu"), model.config,
+                                      width=width)
+        with warmup.after_warmup(step):
+            loss.token_loss_sum(model, inputs, targets).loss.backward()
+    assert inputs["input_ids"].shape[1] < 64 and counters["stats"]["unique_graphs"] == 1
+    assert said == ["--compile: 1 graph compiled in the first 3 steps; from here a batch of another shape runs "
+                    "eagerly, never compiled anew"]
+    # the scripts: the same losses compiled as eagerly
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="eager"))
+    argv = base_args(tiny, tmp_path / "eager", **{"--dataset": tiny["chats"], "--block-size": 64, "--batch-size": 4,
+                                                  "--max-steps": 8, "--save-every": 0, "--eval-every": 0})
+    eager = single.main(argv)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = single.main([a.replace("eager", "compiled") for a in argv] + ["--compile"])
+    assert_close_losses(eager["losses"], compiled["losses"])
+    assert capsys.readouterr().out.count("--compile: 1 graph compiled in the first 3 steps") == 1
