@@ -69,7 +69,7 @@ def main(argv=None):
     autocast = hardware.autocast(device, precision)  # bf16, fp16: mixed precision over the fp32 weights
     if config.model.compile:  # in place: the state dict keeps its names: checkpoints, save_pretrained unchanged
         model.compile()
-    warmup = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
+    compiled = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
     process = training.Process(device, rank, world_size, autocast, tokenizer.pad_token_id, model_config, say)
     stats = progress.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
     stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
@@ -91,8 +91,8 @@ def main(argv=None):
         predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(config.train.grad_accum, -1):
-            inputs, targets = train.batch(micro, tokenizer.pad_token_id, device, model_config, width=warmup.width)
-            with autocast, warmup.after_warmup(step):  # --compile: after the warm-up, no more graphs
+            inputs, targets = train.batch(micro, tokenizer.pad_token_id, device, model_config, width=compiled.width)
+            with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
                 summed = loss.token_loss_sum(model, inputs, targets, config.train.beta)  # pairs: DPO's, with --beta
                 batch_loss = summed.loss / predicted
             scaler.scale(batch_loss).backward()

@@ -88,7 +88,7 @@ def main(argv=None):
     if config.model.compile:  # in place: the state dict keeps its names: checkpoints, save_pretrained unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
     mends.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, its slow paths (finetune/mends.py)
-    warmup = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
+    compiled = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
     process = training.Process(device, rank, world_size, autocast, tokenizer.pad_token_id, model_config, say)
     stats = progress.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
     stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
@@ -112,9 +112,9 @@ def main(argv=None):
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(config.train.grad_accum, -1):
             share = micro.view(-1, config.train.batch_size)[rank // config.sequence_parallel]  # ZeRO: this replica's
-            inputs, targets = train.batch(share, tokenizer.pad_token_id, device, model_config, width=warmup.width,
+            inputs, targets = train.batch(share, tokenizer.pad_token_id, device, model_config, width=compiled.width,
                                           sequence_shard=zero.sequence_shard(rank, config.sequence_parallel))  # ZeRO
-            with autocast, warmup.after_warmup(step):  # --compile: after the warm-up, no more graphs
+            with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
                 summed = loss.token_loss_sum(model, inputs, targets, config.train.beta)  # pairs: DPO's, with --beta
                 batch_loss = summed.loss / predicted
             # ZeRO: the engine averages gradients over ranks and micro-steps; undo both, so the gradient is the
