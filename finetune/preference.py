@@ -265,12 +265,14 @@ def fingerprint(splits, model):
 def without_dropout(model):
     """DPO trains without dropout (as TRL does by default): the first step's loss is then ln 2 exactly, and the
     model's log-probabilities are the ones the reference was scored with. Dropout layers, and the rates the models
-    keep as numbers (OPT's attention_dropout, GPT-2's attn_pdrop, ...), all to 0."""
+    keep as numbers (OPT's attention_dropout, GPT-2's attn_pdrop, ...), all to 0; a mixture of experts' router noise
+    too (Mixtral's jitter_noise: it scales the hidden states at random in training mode)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         for name, value in vars(module).items():
-            if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop") or name == "layerdrop"):
+            if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop") or name == "layerdrop"
+                                             or "jitter" in name):
                 setattr(module, name, 0.0)
 
 

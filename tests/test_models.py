@@ -211,3 +211,23 @@ def test_the_table_in_docs_is_what_the_tests_found(matrix):
         doc.write_text(before + start + found + end + rest.split(end)[1])
     assert current == found, "docs/models.md is out of date: rerun with UPDATE_DOCS=1"
     assert set(models.TESTED) == {"opt", *FAMILIES}  # the run calls these tested, and no other
+
+
+def test_a_mixture_of_experts_under_dpo_starts_at_ln2_with_its_router_noise_off(tiny, tmp_path):
+    """Preference pairs (DPO) on a mixture of experts (a tiny Mixtral, 2 of 4 experts a token, with the router jitter
+    its config may set): the router's noise is off with dropout (preference.without_dropout), so the model is its own
+    reference at step 1 (the loss ln 2; with the noise on, 0.7 or so), and it trains from there."""
+    import math
+
+    from finetune import demo
+
+    pairs = tmp_path / "pairs.jsonl"
+    demo.make_demo_pairs(pairs, n=48, seed=3, style="strings")
+    model = build("mixtral", models.load_tokenizer(tiny["model"]), tmp_path / "moe", router_jitter_noise=0.1)
+    single.main(base_args(tiny, tmp_path / "run", **{"--model": str(model), "--dataset": str(pairs), "--block-size": 64,
+                                                     "--lr": 1e-3, "--beta": 0.5, "--max-steps": 8, "--save-every": 0,
+                                                     "--warmup-ratio": 0}))
+    r = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert r["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)
+    assert all(math.isfinite(x) for x in r["losses"]) and len(set(r["losses"])) == 8

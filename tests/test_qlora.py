@@ -3,6 +3,7 @@ those of the same model with the base rounded to NF4 and back, computed with sto
 bitsandbytes' own functions; ZeRO-3 (offload, checkpointing) on 2 ranks gives the one process's run; an eval between
 steps changes nothing (bitsandbytes' CPU repack would); the export is a plain model; resume; plan = counted bytes."""
 import json
+import math
 import sys
 
 import pytest
@@ -218,3 +219,22 @@ def test_bad_input(tiny, wide, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--load-in-4bit needs bitsandbytes: pip install bitsandbytes=="):
         single.main(argv)
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_dpo_over_a_4_bit_base_starts_at_ln_2_and_an_eval_between_steps_changes_nothing(tiny, wide, tmp_path):
+    """Preference pairs (DPO) with QLoRA: the reference pass runs the 4-bit base in eval mode without gradients, where
+    bitsandbytes' CPU repacking once struck; the first loss is ln 2 (the adapters start at zero: the model is its
+    reference), the held-out DPO loss falls below it, and a run that evaluates after every step trains as one that
+    evaluates at the end."""
+    pairs = tmp_path / "pairs.jsonl"
+    demo.make_demo_pairs(pairs, n=48, seed=3, style="strings")
+    runs = {}
+    for every in (1, 0):
+        out = tmp_path / f"eval-every-{every}"
+        runs[every] = single.main(qlora_args(wide, tiny, out, **{
+            "--dataset": str(pairs), "--lr": 1e-3, "--beta": 0.5, "--max-steps": 4, "--eval-every": every,
+            "--warmup-ratio": 0}))
+    assert runs[1]["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert all(loss < math.log(2) for _, loss in runs[1]["evals"])  # the held-out pairs: the adapters learned
+    assert runs[1]["losses"] == runs[0]["losses"] and runs[1]["rewards/accuracies"] == runs[0]["rewards/accuracies"]
+    assert len(runs[1]["evals"]) == 4 and runs[1]["evals"][-1] == runs[0]["evals"][-1]
