@@ -4,15 +4,17 @@
     bash bench/gpu.sh --dry        # any machine: the tiny demo model on the CPU, the same parts and columns (seconds)
 
 Parts, each its own process with its own deadline (a slow part is a row that says so and the rest go on; a part that
-cannot finish before the whole budget is skipped), in this order: at OPT-125m's shape, 16 x 512 tokens, bf16:
+cannot finish before the whole budget is skipped), in ORDER's order: at OPT-125m's shape, 16 x 512 tokens, bf16:
 single-gpu.py, zero-optimization.py at ZeRO-2 and 3, the HF Trainer's run_clm recipe at ZeRO-2 (bench/peers.py),
-ZeRO-0 and ZeRO-3 + CPU offload; then the same at Llama-3.2-1B's shape. Each a plain `python` process: a world of
-one.
+ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU); single-gpu.py on chats, eager and --compile, and on reviews
+--compile (TORCH_LOGS=recompiles,graph_breaks in their output.log); then the engine at the 1B shape and ZeRO-3 + CPU
+offload. Each a plain `python` process: a world of one.
 
 Columns: useful tokens/s after the warm-up (the first log interval) and its ratio to single-gpu.py's and the
 Trainer's; MFU; peak memory allocated beside plan.py's planned peak for the run; per step the kernel launches and
 device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: progress.profile; inside the warm-up interval);
-the last loss beside single-gpu.py's. Random weights (they time as trained ones) and generated reviews.
+the last loss. Random weights (they time as trained ones), generated reviews and chats; a chats row's ratio is to
+single-gpu.py's on chats.
 """
 import argparse
 import json
@@ -29,15 +31,27 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
-RUNS = [  # (name, script, its flags, plan.py's option), in the order the goals need them, should the budget run out
-    ("single-gpu.py", "single-gpu.py", [], "ZeRO-0"),
-    ("ZeRO-2", "zero-optimization.py", ["--zero-stage=2", "--deepspeed=ds_config_zero2.json"], "ZeRO-2"),
-    ("ZeRO-3", "zero-optimization.py", ["--zero-stage=3", "--deepspeed=ds_config_zero3.json"], "ZeRO-3"),
-    ("HF Trainer, run_clm, ZeRO-2", "bench/peers.py", ["--recipe=run_clm", "--deepspeed"], None),
-    ("ZeRO-0", "zero-optimization.py", ["--zero-stage=0", "--deepspeed=ds_config_zero2.json"], "ZeRO-0"),
-    ("ZeRO-3 + CPU offload", "zero-optimization.py", ["--zero-stage=3", "--offload=cpu",
-                                                      "--deepspeed=ds_config_zero3.json"], "ZeRO-3 + CPU offload"),
-]
+RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline over its shape's)
+    "single-gpu.py": ("single-gpu.py", [], "ZeRO-0", "reviews", 1),
+    "ZeRO-2": ("zero-optimization.py", ["--zero-stage=2", "--deepspeed=ds_config_zero2.json"], "ZeRO-2", "reviews", 1),
+    "ZeRO-3": ("zero-optimization.py", ["--zero-stage=3", "--deepspeed=ds_config_zero3.json"], "ZeRO-3", "reviews", 1),
+    "HF Trainer, run_clm, ZeRO-2": ("bench/peers.py", ["--recipe=run_clm", "--deepspeed"], None, "reviews", 1),
+    "ZeRO-0": ("zero-optimization.py", ["--zero-stage=0", "--deepspeed=ds_config_zero2.json"], "ZeRO-0", "reviews", 1),
+    "single-gpu.py, chats": ("single-gpu.py", [], "ZeRO-0", "questions", 1),
+    "single-gpu.py, chats, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "questions", 2),
+    "single-gpu.py, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "reviews", 2),
+    "ZeRO-3 + CPU offload": ("zero-optimization.py", ["--zero-stage=3", "--offload=cpu",
+                                                      "--deepspeed=ds_config_zero3.json"], "ZeRO-3 + CPU offload",
+                             "reviews", 1),
+}
+# (shape, run) in the order the goals need them, should the budget run out: the engine against single-gpu.py and the
+# Trainer, the 1B shape's MFU, compile on chats and reviews, then the rest at the 1B shape
+ORDER = [*(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
+         ("llama-3.2-1b", "single-gpu.py"),
+         *(("opt-125m", r) for r in ("single-gpu.py, chats", "single-gpu.py, chats, --compile",
+                                     "single-gpu.py, --compile")),
+         *(("llama-3.2-1b", r) for r in ("ZeRO-2", "HF Trainer, run_clm, ZeRO-2", "ZeRO-3", "ZeRO-0")),
+         ("opt-125m", "ZeRO-3 + CPU offload"), ("llama-3.2-1b", "ZeRO-3 + CPU offload")]
 # shape -> (sequences a step, block, steps, log interval, seconds each part may take); the profiler counts steps 5-8,
 # inside the first log interval, which the steady figures leave out
 SHAPES = {"opt-125m": (16, 512, 40, 10, 50), "llama-3.2-1b": (16, 512, 20, 10, 75)}
@@ -45,10 +59,13 @@ DRY = {"demo": (4, 64, 12, 10, 60)}
 
 
 def parts(shapes):
-    return [(shape, *run) for shape in shapes for run in RUNS]
+    """[(shape, run's name)] to run: ORDER's, or on a dry run every run at the demo's shape."""
+    if list(shapes) == list(DRY):
+        return [(shape, name) for shape in shapes for name in RUNS]
+    return [(shape, name) for shape, name in ORDER if shape in shapes]
 
 
-def command(shape, name, script, extra, folder, model, dataset, dry):
+def command(shape, script, extra, folder, model, dataset, dry):
     batch, block, steps, log_every, _ = (DRY if dry else SHAPES)[shape]
     if script == "bench/peers.py":
         flags = [f"--model={model}", f"--dataset={dataset}", f"--block-size={block}", f"--batch-size={batch}",
@@ -67,6 +84,8 @@ def run_part(cmd, folder, deadline):
     when stopped, seconds)."""
     folder.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TRAIN_PROFILE": str(folder / "profile"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if "--compile" in cmd:  # what dynamo recompiled or broke off, in the part's output.log
+        env["TORCH_LOGS"] = "recompiles,graph_breaks"
     start = time.monotonic()
     with open(folder / "output.log", "w") as log:
         process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -128,12 +147,12 @@ def main(argv=None):
         sys.exit("error: no CUDA GPU here; bench/gpu.sh --dry runs the same parts on the CPU")
     out, began = Path(args.out), time.monotonic()
     device = torch.cuda.get_device_name() if not args.dry else f"CPU ({os.cpu_count()} cores), dry run"
-    dataset = demo.assets()["reviews"]
     rows = []
-    for shape, name, script, extra, option in parts(args.shapes or (DRY if args.dry else SHAPES)):
+    for shape, name in parts(args.shapes or (DRY if args.dry else SHAPES)):
         if args.runs and name not in args.runs:
             continue
-        deadline = args.deadline or (DRY if args.dry else SHAPES)[shape][4]
+        script, extra, option, data, slower = RUNS[name]
+        deadline = args.deadline or slower * (DRY if args.dry else SHAPES)[shape][4]
         row = {"shape": shape, "run": name}
         rows.append(row)
         if time.monotonic() - began + deadline > args.budget:
@@ -141,8 +160,8 @@ def main(argv=None):
             continue
         model = model_folder(shape, out)
         folder = out / "runs" / f"{shape}-{''.join(c if c.isalnum() else '_' for c in name)}"
-        code, seconds = run_part(command(shape, name, script, extra, folder, model, dataset, args.dry), folder,
-                                 deadline)
+        code, seconds = run_part(command(shape, script, extra, folder, model, demo.assets()[data], args.dry),
+                                 folder, deadline)
         if code is None or code:
             tail = (folder / "output.log").read_text().strip().splitlines()[-1:] or ["?"]
             row["status"] = f"over its {deadline:.0f} s deadline" if code is None else f"failed: {tail[0][:90]}"
@@ -166,7 +185,8 @@ def report(rows, device):
              "| shape | run | tok/s | x single-gpu.py | x Trainer | MFU | peak GiB | planned GiB | launches/step | "
              "syncs/step | last loss | status |", "|" + "---|" * 12]
     for row in rows:
-        base = next((r for r in rows if r["shape"] == row["shape"] and r["run"] == "single-gpu.py"), {})
+        plain = "single-gpu.py, chats" if "chats" in row["run"] else "single-gpu.py"  # on the same data
+        base = next((r for r in rows if r["shape"] == row["shape"] and r["run"] == plain), {})
         peer = next((r for r in rows if r["shape"] == row["shape"] and r["run"].startswith("HF Trainer")), {})
         ratio = lambda other: f"{row['tok_s'] / other['tok_s']:.2f}x" if row.get("tok_s") and other.get("tok_s") \
             else "-"
