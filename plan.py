@@ -9,8 +9,9 @@ DeepSpeed 0.19.8 allocates them on this project's path, one accounting for every
 (runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py) and checked against the bytes each rank holds
 (tests/test_plan.py: within 0.1% at every stage, offload, precision, 1 and 2 ranks; docs/planner.md); then the
 peak of a step: activations and logits as the loss path holds them, buckets, transients. Per node: CPU memory.
-Activations follow Korthikanti et al. (2022), 34·s·b·h bytes per layer in 16 bits; on GPUs they are an estimate
-(not yet measured). Where DeepSpeed's own estimators disagree with its source, the source wins (docs/planner.md).
+Activations are counted for the model and precision on a narrowed copy of its layers (finetune/memory.layer_bytes):
+on an H100 the planned peaks were 2-7% under the measured. Where DeepSpeed's own estimators disagree with its
+source, the source wins (docs/planner.md).
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
-from finetune import models, quantization
+from finetune import memory, models, quantization
 from finetune.hardware import experts_per_token
 from finetune.zero_config import swap_buffer_elements, tuned_values, zero3_layers
 
@@ -214,24 +215,29 @@ def active_parameters(config):
     return sum(p.numel() * k // experts if p.dim() == 3 and p.shape[0] == experts else p.numel() for p in unique)
 
 
-def activations(batch, seq, config, precision, checkpointing, loss_chunk, sequence_parallel=1):
-    """Peak bytes of activations per GPU: 34·s·b·h per layer in 16 bits (twice that in fp32), 2·s·b·h per layer
-    with checkpointing plus one layer recomputed; and the logits as the loss path holds them (logits_bytes). Of the
-    34, 19 are the MLP's at a width of 4h: a mixture of experts holds them for the experts each token goes through,
-    each of its own width (all experts' weights are model states, the active ones' activations are these). With
-    sequence parallelism a GPU holds the activations of its 1/N of the tokens (around attention, the whole sequence
-    for 1/N of the heads: the same size), and the logits of its tokens."""
+def activations(batch, seq, config, precision, checkpointing, loss_chunk, sequence_parallel=1, autocast=False):
+    """Peak bytes of activations per GPU: what a layer keeps for its backward pass (memory.layer_bytes: counted for
+    this model and precision; where it cannot be, Korthikanti et al.'s 34·s·b·h in 16 bits, twice that in fp32, 19 of
+    them the MLP's at 4h, a mixture of experts' for the experts a token goes through), one layer's and the layers'
+    inputs with checkpointing; and the logits as the loss path holds them (logits_bytes). autocast: 16-bit matmuls
+    over fp32 weights (ZeRO-0 and single-gpu.py in bf16), whose residual stream and norms stay fp32. With sequence
+    parallelism a GPU holds the activations of its 1/N of the tokens (around attention, the whole sequence for 1/N
+    of the heads: the same size), and the logits of its tokens."""
     seq = math.ceil(seq / sequence_parallel)
     scale = 2 if precision in ("fp32", "tf32") else 1
     text = config.get_text_config()
     hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    experts, k = experts_per_token(config)
-    unit = 34
-    if experts:
-        width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
-        unit = 15 + 19 * k * width / (4 * hidden)
-    per_layer = unit * seq * batch * hidden * scale
-    kept = (2 * seq * batch * hidden * layers * scale + per_layer) if checkpointing else per_layer * layers
+    counted = memory.layer_bytes(config, precision, autocast)
+    if counted is None:
+        experts, k = experts_per_token(config)
+        unit = 34
+        if experts:
+            width = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+            unit = 15 + 19 * k * width / (4 * hidden)
+        counted = (unit * hidden * scale, 0)
+    per_layer = batch * (counted[0] * seq + counted[1] * seq**2)
+    residual = 4 if autocast or scale == 2 else 2  # a layer's input, kept by checkpointing
+    kept = (residual * seq * batch * hidden * layers + per_layer) if checkpointing else per_layer * layers
     return kept + logits_bytes(batch * seq, vocab, precision, loss_chunk)
 
 
@@ -253,14 +259,17 @@ def plan(args):
     constants, dequantized = (quantization_constants(config, bits, args.lora_rank, args.lora_targets) if bits
                               else (0, 0))
     ranks = args.gpus * args.nodes
-    acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
-                                        args.gradient_checkpointing, args.loss_chunk, args.sequence_parallel)
-    acts = acts_at(args.block_size)
     b = 4 if args.precision in ("fp32", "tf32") else 2
     total, hidden = sum(k for k, _ in held), config.get_text_config().hidden_size
     layer = layer_params(config, args.lora_rank, args.lora_targets)
     rows = []
     for option in OPTIONS:
+        # ZeRO-0 in bf16 autocasts over fp32 weights (zero_config.autocast_at_stage0), but for a 16-bit frozen base
+        autocast = option == "ZeRO-0" and args.precision == "bf16" and not args.lora_rank and not bits
+        acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
+                                            args.gradient_checkpointing, args.loss_chunk, args.sequence_parallel,
+                                            autocast)
+        acts = acts_at(args.block_size)
         states = {k: v + (constants if k != "cpu" else 0)
                   for k, v in model_states(held, hidden, args.precision, ranks, option, layer).items()}
         transient = b * dequantized  # a quantized layer's weight, dequantized for its matmul
