@@ -300,8 +300,9 @@ def document_masks(same, config, layout, positions=None):
 def attention_layout(implementation):
     """How a batch tells the model where documents end, for its attention implementation: SDPA takes a boolean 4D
     mask (True: attend), eager attention an additive one (a 4D mask passes transformers' mask building as it is),
-    FlashAttention no mask but the documents' boundaries in one padding-free row (its varlen kernel)."""
-    if implementation and "flash" in implementation:  # flash_attention_2/3, and the hub's kernels of it
+    FlashAttention no mask but the documents' boundaries in one padding-free row (its varlen kernel, flash-attn's or
+    torch's)."""
+    if implementation and ("flash" in implementation or implementation == "torch_varlen"):  # and the hub's kernels
         return "varlen"
     return "additive" if implementation == "eager" else "bool"
 

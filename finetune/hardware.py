@@ -107,17 +107,21 @@ def autocast(device, precision):
     return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
-def attention(facts, precision, flash_installed, model_supports_flash, compatible_flash=None):
+def attention(facts, precision, flash_installed, model_supports_flash, compatible_flash=None, torch_varlen=False):
     """The attention implementation: FlashAttention-2 where it runs (an NVIDIA GPU from Ampere on, 16-bit, the
     flash-attn package installed, a model that supports it): packed documents then go through its varlen kernel
-    with no padding and no mask. Otherwise transformers' default (SDPA with a block-diagonal mask; eager for models
-    without SDPA, Gemma 2 and gpt-oss). A model that names the flash kernels it works with
-    (`_compatible_flash_implementations`) and not FlashAttention-2 is not given it: transformers would swap in a hub
-    kernel (gpt-oss: vllm-flash-attn3, for its attention sinks, which FlashAttention-2 would drop)."""
+    with no padding and no mask. Without the package, torch's own varlen FlashAttention on the same GPUs where the
+    model fits it (`torch_varlen`: varlen.fits, from torch's form of the function and the model's facts), the same
+    layout. Otherwise transformers' default (SDPA with a block-diagonal mask; eager for models without SDPA, Gemma 2
+    and gpt-oss). A model that names the flash kernels it works with (`_compatible_flash_implementations`) and not
+    FlashAttention-2 is not given it: transformers would swap in a hub kernel (gpt-oss: vllm-flash-attn3, for its
+    attention sinks, which FlashAttention-2 would drop)."""
     ampere = facts.kind == "cuda" and tuple(facts.capability) >= (8, 0)
     flash_ok = model_supports_flash and (compatible_flash is None or "flash_attention_2" in compatible_flash)
     if ampere and precision in AUTOCAST_DTYPES and flash_installed and flash_ok:
         return "flash_attention_2"
+    if ampere and precision in AUTOCAST_DTYPES and torch_varlen:
+        return "torch_varlen"
     return None
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, loss, preference, quantization
+from . import hardware, loss, preference, quantization, varlen
 from .base import fail
 
 
@@ -56,9 +56,13 @@ def load_causal_lm(settings, config, device):
 
     architecture = AutoModelForCausalLM._model_mapping.get(type(config), None) if not settings.trust_remote_code \
         else None
+    kernel = varlen.torch_kernel()
     implementation = hardware.attention(hardware.facts(device), settings.precision, is_flash_attn_2_available(),
                                         getattr(architecture, "_supports_flash_attn", False),
-                                        getattr(architecture, "_compatible_flash_implementations", None))
+                                        getattr(architecture, "_compatible_flash_implementations", None),
+                                        varlen.fits(varlen.form(kernel), **varlen.model_facts(config, architecture)))
+    if implementation == varlen.NAME:
+        varlen.register(kernel)
     extra = {"attn_implementation": implementation} if implementation else {}
     experts = hardware.experts_implementation(settings.precision, hardware.experts_per_token(config)[0])
     if experts:

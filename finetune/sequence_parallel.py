@@ -131,7 +131,7 @@ def check(size, world_size, heads, kv_heads, implementation, model, layer_types=
     if others:
         fail(f"--sequence-parallel: {model} has {', '.join(others)} layers, which mix tokens outside attention (each "
              f"rank would see its slice only); train it without --sequence-parallel")
-    if implementation not in ("sdpa", "flash_attention_2", "flash_attention_3"):
+    if implementation not in ("sdpa", "flash_attention_2", "flash_attention_3", "torch_varlen"):
         fail(f"--sequence-parallel: {model} runs {implementation} attention, which DeepSpeed's Ulysses cannot take "
              f"over (it needs SDPA or FlashAttention); train it without --sequence-parallel")
 

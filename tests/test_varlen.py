@@ -1,0 +1,114 @@
+"""torch's own varlen FlashAttention for packed documents (finetune/varlen.py): the decision, fed the facts of GPUs,
+of torch's two forms of the function and of models; and the plumbing, fed a CPU reference of the kernel (torch's runs
+on CUDA only) that computes each document apart from the same cumulative lengths: the model's logits and gradients
+over a batch of packed documents are the stock model's on each document run alone."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from finetune import data, demo, hardware, varlen
+from helpers import FAMILIES, SIZES, build, data_args, documents_of
+from test_hardware import A100, CPU, H100, T4
+
+
+def each_document(q, k, v, cu, scale=None, left=-1, gqa=False):
+    """SDPA on each document [cu[i], cu[i+1]) apart, causal, within `left` tokens back where left >= 0."""
+    outs = []
+    for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+        at = torch.arange(b - a)
+        mask = (at[:, None] >= at[None, :]) & ((at[:, None] - at[None, :] <= left) if left >= 0 else True)
+        qi, ki, vi = (x[a:b].transpose(0, 1) for x in (q, k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                                                     enable_gqa=gqa).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def window_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.12 on: causal is window_size (-1, 0)."""
+    assert window_size[1] == 0 and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
+    return each_document(query, key, value, cu_seq_q, scale, window_size[0], enable_gqa)
+
+
+def causal_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10/2.11: is_causal, the default scale, one head count."""
+    assert is_causal and key.shape[1] == query.shape[1] and torch.equal(cu_seq_q, cu_seq_k)
+    return each_document(query, key, value, cu_seq_q)
+
+
+def test_torch_varlen_is_chosen_from_the_gpu_torchs_form_and_the_models_facts():
+    """An Ampere+ GPU in 16 bits, torch's varlen of either form, a model that fits it: torch_varlen, unless the
+    flash-attn package is installed (its kernel, as before); a sliding window only on the 2.12+ form; never for
+    softcapping (Gemma 2), sinks (gpt-oss), heads over 256 wide, on a T4, a CPU or in fp32."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    assert varlen.form(varlen_attn) == "window" and varlen.form(causal_form) == "is_causal"
+    assert varlen.form(None) is None and varlen.form(lambda q, k, v: q) is None
+    config = lambda family, **more: getattr(__import__("transformers"), FAMILIES[family][0])(
+        **{**SIZES, **FAMILIES[family][1], **more})
+    facts = lambda cfg: varlen.model_facts(cfg, AutoModelForCausalLM._model_mapping[type(cfg)])
+    llama, mistral, gemma2, gpt_oss = (config(f) for f in ("llama", "mistral", "gemma2", "gpt_oss"))
+    choose = lambda gpu, kernel_form, cfg, precision="bf16", flash=False: hardware.attention(
+        gpu, precision, flash, True, None, varlen.fits(kernel_form, **facts(cfg)))
+    for kernel_form in ("window", "is_causal"):
+        assert choose(H100, kernel_form, llama) == choose(A100, kernel_form, llama) == "torch_varlen"  # GQA too
+        assert choose(H100, kernel_form, llama, flash=True) == "flash_attention_2"
+        assert choose(T4, kernel_form, llama) is None and choose(CPU, kernel_form, llama) is None
+        assert choose(H100, kernel_form, llama, precision="fp32") is None
+        assert choose(H100, kernel_form, gemma2) is None and choose(H100, kernel_form, gpt_oss) is None
+        assert choose(H100, kernel_form, config("llama", head_dim=512)) is None
+    assert choose(H100, "window", mistral) == "torch_varlen" and choose(H100, "is_causal", mistral) is None
+    assert choose(H100, None, llama) is None  # a torch without varlen_attn
+    assert facts(mistral)["window"] and not facts(llama)["window"] and facts(gemma2)["softcap"]
+    assert facts(gpt_oss)["sinks"] and facts(llama)["interface"]
+    opt = AutoConfig.for_model("opt", attention_dropout=0.1)
+    assert not varlen.fits("window", **facts(opt))  # the kernel has no dropout
+
+
+@pytest.fixture(scope="module")
+def corpora(tiny, tmp_path_factory):
+    """The tests' tokenizer; chats and preference pairs to pack."""
+    root = tmp_path_factory.mktemp("varlen")
+    demo.make_demo_pairs(root / "pairs.jsonl", n=24, seed=3, style="strings")
+    return {"tokenizer": AutoTokenizer.from_pretrained(tiny["model"]), "chats": tiny["chats"],
+            "pairs": str(root / "pairs.jsonl"), "root": root, "opt": tiny["model"]}
+
+
+@pytest.mark.parametrize("family, kernel", [("llama", window_form), ("llama", causal_form), ("mistral", window_form),
+                                            ("opt", causal_form), ("opt", window_form)])
+@pytest.mark.parametrize("corpus", ["chats", "pairs"])
+def test_packed_documents_through_varlen_are_the_documents_run_apart(corpora, monkeypatch, family, kernel, corpus):
+    """A batch of packed documents (chats; preference pairs, whose rejected answers get their prompt back) through
+    the varlen attention: the logits and every parameter's gradient of the stock model (SDPA) run on each document
+    alone, to 1e-5 (the gradients: all of them, by norm). Llama: grouped key/value heads (4 and 2; repeated for
+    the 2.10/2.11 form); Mistral: a 16-token sliding window over longer documents; OPT: a model that scales its
+    queries itself (scaling 1, pre-multiplied for the 2.10/2.11 form, which takes no scale)."""
+    from transformers import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, varlen.NAME, varlen.attention(kernel))
+    folder = corpora["opt"] if family == "opt" else corpora["root"] / family
+    if family != "opt" and not folder.exists():
+        build(family, corpora["tokenizer"], folder, max_position_embeddings=256)
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=varlen.NAME)
+    tokenizer = corpora["tokenizer"] if corpus == "chats" else None
+    settings = data_args(corpora[corpus], block_size=128 if family != "opt" else 64)
+    split, _ = data.prepare(settings, tokenizer or AutoTokenizer.from_pretrained(folder))
+    rows = [i for i in range(len(split)) if len(documents_of(split, i)) >= 2][:3]  # blocks of several documents
+    inputs, _ = split.batch(rows, 0, torch.device("cpu"), packed.config)
+    cu = inputs["cu_seq_lens_q"]
+    assert "attention_mask" not in inputs and len(cu) > 4 and int(cu.diff().max()) > 16  # several documents, long
+    logits = packed(**inputs).logits[0]
+    weights = torch.randn_like(logits)
+    (logits * weights).sum().backward()
+    ids, positions = inputs["input_ids"][0], inputs["position_ids"][0]
+    apart = []
+    for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+        alone = stock(input_ids=ids[None, a:b], position_ids=positions[None, a:b]).logits[0]
+        (alone * weights[a:b]).sum().backward()
+        apart.append(alone)
+    torch.testing.assert_close(logits, torch.cat(apart), rtol=1e-5, atol=1e-5)
+    grads = [(p.grad.flatten(), q.grad.flatten()) for p, q in zip(packed.parameters(), stock.parameters())]
+    ours, theirs = (torch.cat(g) for g in zip(*grads))  # to fp32's rounding of the sums (a key bias's is 0 by math)
+    assert (ours - theirs).norm() <= 1e-5 * theirs.norm() and theirs.norm() > 0
