@@ -6,7 +6,8 @@
 Parts, each its own process with its own deadline (a slow part is a row that says so and the rest go on; a part that
 cannot finish before the whole budget is skipped), in ORDER's order: at OPT-125m's shape, 16 x 512 tokens, bf16:
 single-gpu.py, zero-optimization.py at ZeRO-2 and 3, the HF Trainer's run_clm recipe at ZeRO-2 (bench/peers.py),
-ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU); single-gpu.py on chats, eager and --compile, and on reviews
+ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU), and with SDPA and the documents' mask at both shapes
+(--attention sdpa, against the varlen kernel auto picks); single-gpu.py on chats, eager and --compile, and on reviews
 --compile (TORCH_LOGS=recompiles,graph_breaks in their output.log); then the engine at the 1B shape and ZeRO-3 + CPU
 offload. Each a plain `python` process: a world of one.
 
@@ -37,6 +38,7 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
     "ZeRO-3": ("zero-optimization.py", ["--zero-stage=3", "--deepspeed=ds_config_zero3.json"], "ZeRO-3", "reviews", 1),
     "HF Trainer, run_clm, ZeRO-2": ("bench/peers.py", ["--recipe=run_clm", "--deepspeed"], None, "reviews", 1),
     "ZeRO-0": ("zero-optimization.py", ["--zero-stage=0", "--deepspeed=ds_config_zero2.json"], "ZeRO-0", "reviews", 1),
+    "single-gpu.py, SDPA with the mask": ("single-gpu.py", ["--attention=sdpa"], "ZeRO-0", "reviews", 1),
     "single-gpu.py, chats": ("single-gpu.py", [], "ZeRO-0", "questions", 1),
     "single-gpu.py, chats, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "questions", 2),
     "single-gpu.py, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "reviews", 2),
@@ -47,7 +49,8 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
 # (shape, run) in the order the goals need them, should the budget run out: the engine against single-gpu.py and the
 # Trainer, the 1B shape's MFU, compile on chats and reviews, then the rest at the 1B shape
 ORDER = [*(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
-         ("llama-3.2-1b", "single-gpu.py"),
+         ("llama-3.2-1b", "single-gpu.py"), ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
+         ("opt-125m", "single-gpu.py, SDPA with the mask"),
          *(("opt-125m", r) for r in ("single-gpu.py, chats", "single-gpu.py, chats, --compile",
                                      "single-gpu.py, --compile")),
          *(("llama-3.2-1b", r) for r in ("ZeRO-2", "HF Trainer, run_clm, ZeRO-2", "ZeRO-3", "ZeRO-0")),

@@ -43,6 +43,7 @@ class Model:
     precision: str  # auto until setup resolves it (hardware.choose_precision)
     gradient_checkpointing: bool
     compile: bool
+    attention: str  # auto: hardware.attention's choice
     loss_chunk: int
     lora_rank: int
     lora_alpha: float
@@ -161,6 +162,9 @@ def add_flags(p, output_dir):
                    help="auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
     g.add_argument("--compile", action="store_true", help="torch.compile: faster steps after a slow first one")
+    g.add_argument("--attention", default="auto", choices=["auto", *ATTENTION],
+                   help="auto: FlashAttention's varlen kernel on Ampere+ GPUs in 16 bits (flash-attn's, else torch's "
+                        "where the model fits it), else SDPA (docs/gpu.md)")
     g.add_argument("--loss-chunk", type=int, default=1024,
                    help="tokens per piece of the loss, so the logits of all tokens never exist at once (0: at once)")
     g.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
@@ -201,6 +205,7 @@ def add_flags(p, output_dir):
                                                     "(flags given on the command line win)")
 
 
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "torch_varlen")  # --attention's choices beside auto
 RUN_CONTROL = ("resume", "overwrite", "config", "demo")  # how a run was started, not its recipe: --config skips them
 
 

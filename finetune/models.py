@@ -61,6 +61,14 @@ def load_causal_lm(settings, config, device):
                                         getattr(architecture, "_supports_flash_attn", False),
                                         getattr(architecture, "_compatible_flash_implementations", None),
                                         varlen.fits(varlen.form(kernel), **varlen.model_facts(config, architecture)))
+    if settings.attention != "auto":  # the user's choice, where it can run at all
+        implementation = settings.attention
+        if implementation == "flash_attention_2" and not is_flash_attn_2_available():
+            fail("--attention flash_attention_2: the flash-attn package is not installed here (pip install "
+                 "flash-attn), or this is no CUDA GPU; use --attention auto")
+        if implementation == varlen.NAME and (varlen.form(kernel) is None or device.type != "cuda"):
+            fail(f"--attention {varlen.NAME}: torch's varlen FlashAttention needs torch 2.10 or later and an NVIDIA "
+                 f"GPU (this is torch {torch.__version__} on {device.type}); use --attention auto")
     if implementation == varlen.NAME:
         varlen.register(kernel)
     extra = {"attn_implementation": implementation} if implementation else {}

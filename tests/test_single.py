@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, crash_after_first_checkpoint,
                      dropout_model, independent_loss, load_script, results, weights)
-from finetune import checkpoints, data, hardware, models, training
+from finetune import checkpoints, data, models, training
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 single = load_script("single-gpu.py")
@@ -216,12 +216,11 @@ def test_resume_continues_with_identical_losses(tmp_path, tiny, monkeypatch):
 def test_the_batches_take_the_layout_of_the_attention_the_model_loaded(tmp_path, tiny, monkeypatch):
     """The AutoConfig names no attention implementation; the model loads with the one the hardware picks
     (FlashAttention-2 on GPUs: varlen rows, not a 4-D mask, or a device-side assert). Here eager attention stands in
-    for it: its additive mask is another layout than SDPA's boolean one, and a boolean mask added to the scores
-    would attend across documents. The same run either way."""
+    for it (--attention eager): its additive mask is another layout than SDPA's boolean one, and a boolean mask
+    added to the scores would attend across documents. The same run either way."""
     argv = base_args(tiny, tmp_path / "sdpa", **{"--batch-size": 4})
     single.main(argv)
-    monkeypatch.setattr(hardware, "attention", lambda *facts: "eager")
-    single.main(base_args(tiny, tmp_path / "eager", **{"--batch-size": 4}))
+    single.main(base_args(tiny, tmp_path / "eager", **{"--batch-size": 4, "--attention": "eager"}))
     assert_close_losses(results(tmp_path / "sdpa")["losses"], results(tmp_path / "eager")["losses"])
     assert results(tmp_path / "eager")["eval_loss"] == pytest.approx(results(tmp_path / "sdpa")["eval_loss"], rel=1e-5)
 
@@ -247,6 +246,8 @@ def test_no_packing_and_bf16(tmp_path, tiny):
     ({"--max-steps": 0, "--epochs": 0}, "set --epochs or --max-steps"),
     ({"--final": "best", "--save-every": 0}, "--final best exports the checkpoint with the lowest eval loss: set"),
     ({"--batch-size": 4000}, "less than one global batch of 4000"),
+    ({"--attention": "torch_varlen"}, "--attention torch_varlen: torch's varlen FlashAttention needs torch 2.10 or"),
+    ({"--attention": "flash_attention_2"}, "--attention flash_attention_2: the flash-attn package is not installed"),
 ])
 def test_bad_input_is_one_line(tmp_path, tiny, overrides, message):
     with pytest.raises(SystemExit) as e:

@@ -2,12 +2,14 @@
 of torch's two forms of the function and of models; and the plumbing, fed a CPU reference of the kernel (torch's runs
 on CUDA only) that computes each document apart from the same cumulative lengths: the model's logits and gradients
 over a batch of packed documents are the stock model's on each document run alone."""
+import functools
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from finetune import data, demo, hardware, varlen
-from helpers import FAMILIES, SIZES, build, data_args, documents_of
+from helpers import FAMILIES, SIZES, base_args, build, data_args, documents_of, load_script, results
 from test_hardware import A100, CPU, H100, T4
 
 
@@ -112,3 +114,22 @@ def test_packed_documents_through_varlen_are_the_documents_run_apart(corpora, mo
     grads = [(p.grad.flatten(), q.grad.flatten()) for p, q in zip(packed.parameters(), stock.parameters())]
     ours, theirs = (torch.cat(g) for g in zip(*grads))  # to fp32's rounding of the sums (a key bias's is 0 by math)
     assert (ours - theirs).norm() <= 1e-5 * theirs.norm() and theirs.norm() > 0
+
+
+def test_a_run_through_torch_varlen_trains_as_the_masked_one(tiny, tmp_path, monkeypatch):
+    """single-gpu.py with torch_varlen chosen (the reference kernel standing in for torch's CUDA one): the batches in
+    the varlen layout through the chunked loss, the eval and the sample at the end (no boundaries there: SDPA, causal)
+    train as SDPA with the documents' mask does, to fp32's rounding."""
+    single = load_script("single-gpu.py")
+    argv = lambda out: base_args(tiny, tmp_path / out, **{"--dataset": tiny["chats"], "--block-size": 64,
+                                                          "--batch-size": 4, "--prompt": "Hi"})
+    single.main(argv("sdpa"))
+    monkeypatch.setattr(hardware, "attention", lambda *facts: varlen.NAME)
+    calls = []
+    counted = functools.wraps(window_form)(lambda *a, **k: calls.append(1) or window_form(*a, **k))
+    monkeypatch.setattr(varlen, "torch_kernel", lambda: counted)
+    single.main(argv("varlen"))
+    masked, packed = results(tmp_path / "sdpa"), results(tmp_path / "varlen")
+    torch.testing.assert_close(packed["losses"], masked["losses"], rtol=1e-5, atol=0)
+    assert packed["eval_loss"] == pytest.approx(masked["eval_loss"], rel=1e-5) and packed["sample"]
+    assert len(calls) >= 2 * 4  # every layer of every step
