@@ -5,18 +5,18 @@ import math
 
 import torch
 
-from . import loss
+from . import loss, preference
 from .blocks import rank_batches
 
 
 @torch.no_grad()
 def eval_loss_sums(model, blocks, train, process):
-    """(summed loss, predicted tokens, 0) over this rank's share of the eval set, as a float64 tensor to all-reduce;
-    for preference pairs (summed DPO loss, pairs, pairs ranked right). Every rank runs the same number of forward
+    """(summed loss, predicted tokens) over this rank's share of the eval set, as a float64 tensor to all-reduce;
+    for preference pairs (summed DPO loss, pairs, loss.dpo's metrics' sums). Every rank runs the same number of forward
     passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out.
     `train`: flags.Train (--batch-size sequences a rank and pass, --beta); `process`: training.Process."""
     model.eval()
-    total = torch.zeros(3, dtype=torch.float64, device=process.device)
+    total = torch.zeros(2, dtype=torch.float64, device=process.device)
     pairs = None
     for mine in rank_batches(len(blocks), train.batch_size, process.rank, process.world_size):
         inputs, targets = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device,
@@ -29,22 +29,21 @@ def eval_loss_sums(model, blocks, train, process):
         total[1] += targets.counted
         if summed.pair_metrics is not None:
             pairs = summed.pair_metrics + (0 if pairs is None else pairs)
-    if pairs is not None:
-        total[2] = pairs[2]
     model.train()
-    return total
+    return total if pairs is None else torch.cat([total, pairs.double()])
 
 
 def evaluate(model, blocks, train, process):
     """(eval loss, tokens, None): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
-    completion and chats), every rank evaluating its share; for preference pairs (the mean DPO loss, pairs, the
-    reward accuracy). It draws no random numbers and leaves the model in training mode: a run that evaluates trains
-    exactly as one that does not."""
+    completion and chats), every rank evaluating its share; for preference pairs (the mean DPO loss, pairs, TRL's
+    metrics: preference.metric_values). It draws no random numbers and leaves the model in training mode: a run that
+    evaluates trains exactly as one that does not."""
     sums = eval_loss_sums(model, blocks, train, process)
     if process.world_size > 1:
         torch.distributed.all_reduce(sums)
-    accuracy = (sums[2] / sums[1]).item() if blocks.pieces is not None else None
-    return (sums[0] / sums[1]).item(), int(sums[1]), accuracy
+    sums = sums.tolist()
+    metrics = preference.metric_values(sums[2:], sums[1]) if len(sums) > 2 else None
+    return sums[0] / sums[1], int(sums[1]), metrics
 
 
 def perplexity(value):

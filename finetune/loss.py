@@ -80,7 +80,9 @@ def plain_loss(logits, targets, beta=None):
 def plain_preference_loss(logits, targets, beta):
     logits = logits.flatten(0, 1).index_select(0, targets.index)
     labels = targets.labels.flatten().index_select(0, targets.index)
-    return preference_loss(-F.cross_entropy(logits, labels, reduction="none"), targets, beta)
+    with torch.no_grad():
+        stats = answer_stats(logits.float(), labels) if targets.reference is not None else None
+    return preference_loss(-F.cross_entropy(logits, labels, reduction="none"), targets, beta, stats)
 
 
 @torch.compiler.disable
@@ -168,25 +170,42 @@ def token_loss_sum(model, inputs, targets, beta=None):
 # Preference pairs: the DPO loss
 
 
-def dpo(logps, reference, beta):
+def dpo(logps, reference, beta, stats, sequence):
     """The sigmoid DPO loss, summed over the pairs: -log sigmoid(beta * ((chosen - ref) - (rejected - ref))), where
-    `logps` and `reference` are (pairs, 2) log-probabilities. Also d(loss)/d(logps), and the metrics' sums."""
+    `logps` and `reference` are (pairs, 2) log-probabilities. Also d(loss)/d(logps), and the metrics' sums
+    (preference.metric_values names them): the chosen and rejected rewards, the pairs ranked right, the answers'
+    log-probabilities; from `stats` (answer_stats, per predicted token of `sequence`), per answer the mean logits'
+    and the tokens' sums, the chosen tokens predicted first, the entropies' sum."""
     chosen, rejected = (beta * (logps[:, i] - reference[:, i]) for i in (0, 1))
     margin = chosen - rejected
     d_margin = -torch.sigmoid(-margin)
+    first = (sequence % 2 == 0).float()  # a pair's chosen answer is its first sequence
+    mean_logit, top1, entropy = stats
     metrics = torch.stack([chosen.sum(), rejected.sum(), (margin > 0).float().sum(), logps[:, 0].sum(),
-                           logps[:, 1].sum()])
+                           logps[:, 1].sum(), (mean_logit * first).sum(), (mean_logit * (1 - first)).sum(),
+                           first.sum(), (1 - first).sum(), (top1 * first).sum(), entropy.sum()])
     return F.softplus(-margin).sum(), beta * torch.stack([d_margin, -d_margin], 1), metrics.detach().float()
 
 
-def preference_loss(token, targets, beta):
+def answer_stats(logits, labels):
+    """Per predicted token, from its fp32 logits: the mean logit, whether the label is the most likely token (1.0),
+    the entropy of its distribution (TRL's logits/*, mean_token_accuracy and entropy). The softmax a few rows at a
+    time: no second (tokens x vocabulary) tensor."""
+    entropy = torch.empty(len(labels), dtype=torch.float32, device=logits.device)
+    for start in range(0, len(labels), 128):
+        rows = logits[start:start + 128]
+        entropy[start:start + 128] = rows.logsumexp(-1) - (rows.softmax(-1) * rows).sum(-1)
+    return torch.stack([logits.mean(-1), (logits.argmax(-1) == labels).float(), entropy])
+
+
+def preference_loss(token, targets, beta, stats=None):
     """From each predicted token's log-probability: each answer's sum; then (the loss, metrics) or, without a
     reference yet, the (pairs, 2) sums themselves."""
     logps = torch.zeros(2 * targets.pairs, dtype=torch.float32, device=token.device).index_add(0, targets.sequence,
                                                                                                 token.float())
     if targets.reference is None:
         return logps.view(-1, 2)
-    loss, _, metrics = dpo(logps.view(-1, 2), targets.reference, beta)
+    loss, _, metrics = dpo(logps.view(-1, 2), targets.reference, beta, stats, targets.sequence)
     return loss, metrics
 
 
@@ -195,16 +214,19 @@ def _logits(h, w, b):
 
 
 @torch.no_grad()
-def token_logps(hidden, weight, bias, targets, chunk, dtype):
-    """log p(target) of each position, a chunk at a time (float32)."""
+def token_logps(hidden, weight, bias, targets, chunk, dtype, with_stats=False):
+    """log p(target) of each position, a chunk at a time (float32); with_stats: and answer_stats of each."""
     with torch.autocast(hidden.device.type, enabled=False):
         h_all, w, b = hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
         out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        stats = torch.empty(3, len(targets), dtype=torch.float32, device=hidden.device) if with_stats else None
         for start in range(0, len(targets), chunk):
             logits = _logits(h_all[start:start + chunk], w, b)
             y = targets[start:start + chunk]
+            if with_stats:
+                stats[:, start:start + chunk] = answer_stats(logits, y)
             out[start:start + chunk] = logits.gather(1, y[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
-    return out
+    return (out, stats) if with_stats else out
 
 
 class LinearPreference(torch.autograd.Function):
@@ -215,9 +237,9 @@ class LinearPreference(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, sequence, pairs, reference, beta, chunk, dtype, with_grads):
         need_hidden, need_weight, need_bias = (with_grads and needed for needed in ctx.needs_input_grad[:3])
-        token = token_logps(hidden, weight, bias, targets, chunk, dtype)
+        token, stats = token_logps(hidden, weight, bias, targets, chunk, dtype, with_stats=True)
         logps = torch.zeros(2 * pairs, dtype=torch.float32, device=hidden.device).index_add_(0, sequence, token)
-        loss, d_logps, metrics = dpo(logps.view(-1, 2), reference, beta)
+        loss, d_logps, metrics = dpo(logps.view(-1, 2), reference, beta, stats, sequence)
         # d(loss)/d(logits) of a token = -d(loss)/d(its logp) x (softmax - one-hot)
         weights = -d_logps.flatten().index_select(0, sequence)
         grad_hidden = grad_weight = grad_bias = None

@@ -26,7 +26,20 @@ from .blocks import rank_batches
 
 COLUMNS = ("prompt", "chosen", "rejected")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+           "logps/rejected", "logits/chosen", "logits/rejected", "mean_token_accuracy", "entropy")  # as TRL's DPO
+
+
+def metric_values(sums, pairs):
+    """METRICS from loss.dpo's sums over some pairs (a list): per pair the rewards, the share ranked right, their
+    margin and the answers' log-probabilities; per answer token the mean logit (chosen, rejected), per chosen token
+    the share predicted as the most likely token, per answer token the entropy: as TRL's DPOTrainer logs them."""
+    chosen, rejected, right, logp_chosen, logp_rejected, logit_chosen, logit_rejected, n_chosen, n_rejected, top1, \
+        entropy = sums
+    per = lambda value, count: value / count if count else 0.0
+    return dict(zip(METRICS, [chosen / pairs, rejected / pairs, right / pairs, (chosen - rejected) / pairs,
+                              logp_chosen / pairs, logp_rejected / pairs, per(logit_chosen, n_chosen),
+                              per(logit_rejected, n_rejected), per(top1, n_chosen),
+                              per(entropy, n_chosen + n_rejected)]))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class Record:
         record = cls(**{k: v for k, v in state.items() if k in known})
         if "grad_norms" not in state:
             record.grad_norms = [None] * record.step
+        logged = len(record.pair_metrics.get("rewards/chosen", []))
+        for name in preference.METRICS:  # a metric kept since: none for the steps before
+            record.pair_metrics.setdefault(name, [None] * logged)
         return record
 
 
@@ -142,11 +145,9 @@ class RunStats:
         n = len(self.pending)
         losses, self.rank_memory, pairs = losses[:n], losses[n:n + self.ranks].tolist(), losses[n + self.ranks:]
         first_pairs = len(record.pair_metrics["rewards/chosen"]) + 1
-        for chosen, rejected, right, logp_chosen, logp_rejected, count in pairs.view(-1, 6).tolist():
+        for *sums, count in pairs.view(-1, len(preference.METRICS) + 2).tolist():  # loss.dpo's sums and the pairs
             count /= self.ranks  # every rank added the global batch's count
-            values = [chosen / count, rejected / count, right / count, (chosen - rejected) / count,
-                      logp_chosen / count, logp_rejected / count]
-            for name, value in zip(preference.METRICS, values):
+            for name, value in preference.metric_values(sums, count).items():
                 record.pair_metrics[name].append(value)
         for step in range(first_pairs, len(record.pair_metrics["rewards/chosen"]) + 1):
             self.trackers.log({f"train/{k}": v[step - 1] for k, v in record.pair_metrics.items()}, step)
@@ -180,7 +181,7 @@ class RunStats:
         text, or the first time they failed, a word of why. Every rank calls it: the pending losses are gathered and
         logged first (W&B drops steps that come late)."""
         self.gather()
-        (value, tokens, accuracy), seconds = result, self.last_pause
+        (value, tokens, metrics), seconds = result, self.last_pause
         failed = ""
         if isinstance(answers, Exception):
             if not self.answers_failed:
@@ -192,11 +193,11 @@ class RunStats:
         self.record.eval_time += seconds
         best = min(self.record.evals, key=lambda e: e[1] if math.isfinite(e[1]) else math.inf)
         mark = " | best so far" if best[0] == step + 1 and len(self.record.evals) > 1 else ""
-        if accuracy is not None:  # preference pairs: the DPO loss, and how often the chosen answer gains more
-            self.trackers.log({"eval/loss": value, "eval/rewards/accuracies": accuracy, "eval/runtime": seconds},
-                              step + 1)
-            return (f"step {step + 1} | eval DPO loss {value:.4f} | reward accuracy {accuracy:.3f} | {tokens:,} pairs "
-                    f"| {seconds:.1f} s{mark}{failed}")
+        if metrics is not None:  # preference pairs: the DPO loss, how often the chosen answer gains more, TRL's rest
+            self.trackers.log({"eval/loss": value, **{f"eval/{k}": v for k, v in metrics.items()},
+                               "eval/runtime": seconds}, step + 1)
+            return (f"step {step + 1} | eval DPO loss {value:.4f} | reward accuracy "
+                    f"{metrics['rewards/accuracies']:.3f} | {tokens:,} pairs | {seconds:.1f} s{mark}{failed}")
         self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},
                           step + 1)
         return (f"step {step + 1} | eval loss {value:.4f} | perplexity {perplexity(value):.2f} | {tokens:,} tokens | "
