@@ -348,3 +348,15 @@ def test_a_run_killed_in_its_first_save_starts_over_under_resume_auto(tmp_path):
     assert not (tmp_path / "checkpoints" / ".tmp-step-500").exists()
     with pytest.raises(SystemExit, match="has no checkpoints to resume from"):
         checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume="newest", rank=0)
+
+
+def test_a_record_from_before_a_metric_was_kept_restores_without_it():
+    """A checkpoint written before TRL's token metrics were kept (six pair metrics a step): restored, every metric
+    has one value a step, None where it was not kept, and the next step's values append to each."""
+    from finetune import preference, progress
+
+    old = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+    record = progress.Record.restored({"step": 2, "losses": [0.7, 0.6], "pair_metrics": {k: [1.0, 2.0] for k in old}})
+    assert set(record.pair_metrics) == set(preference.METRICS) and record.pair_metrics["rewards/chosen"] == [1.0, 2.0]
+    assert record.pair_metrics["entropy"] == [None, None] and record.pair_metrics["logits/chosen"] == [None, None]

@@ -285,27 +285,23 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
         for k, p in stock.named_parameters():
             err = (grads[k].double() - p.grad).abs().max()  # (the keys' bias: no gradient, but rounding)
             assert err <= 1e-4 * p.grad.abs().max() + 1e-8, (key, k, err.item())
-    # the metrics, TRL's: rewards beta (logp - ref) and their margin, the share ranked right, the log-probabilities
-    # per pair; per answer token the mean logit, per chosen token the top-1 share, per answer token the entropy
-    seqs, logp, answers = sequences(train), [], [[], []]
+    # TRL's metrics: per pair the rewards, margin, ranked right, logps; per token mean logit, top-1 share, entropy
+    logp, answers = [], [[], []]
     with torch.no_grad():
-        for s in seqs:
-            logp.append([])
-            for j in (0, 1):
-                ids, carries = torch.tensor(s[2 * j][1:]), torch.tensor(s[1 + 2 * j][1:]) > 0
-                logits = stock(torch.tensor([s[2 * j]])).logits[0, :-1][carries]
-                logp[-1].append(-F.cross_entropy(logits, ids[carries], reduction="sum").item())
-                answers[j].append(torch.stack([logits.mean(-1), (logits.argmax(-1) == ids[carries]).double(),
-                                               torch.distributions.Categorical(logits=logits).entropy()]))
-    logp = torch.tensor(logp, dtype=torch.float64)
+        for s, j in ((s, j) for s in sequences(train) for j in (0, 1)):  # each pair's chosen, then its rejected
+            ids, carries = torch.tensor(s[2 * j][1:]), torch.tensor(s[1 + 2 * j][1:]) > 0
+            logits = stock(torch.tensor([s[2 * j]])).logits[0, :-1][carries]
+            logp.append(-F.cross_entropy(logits, ids[carries], reduction="sum").item())
+            answers[j].append(torch.stack([logits.mean(-1), (logits.argmax(-1) == ids[carries]).double(),
+                                           torch.distributions.Categorical(logits=logits).entropy()]))
+    logp = torch.tensor(logp, dtype=torch.float64).view(-1, 2)
     rewards = 0.5 * (logp - train.reference.double())
     chosen, rejected = (torch.cat(a, 1) for a in answers)
     expected = [rewards[:, 0].mean(), rewards[:, 1].mean(), (rewards[:, 0] > rewards[:, 1]).double().mean(),
                 (rewards[:, 0] - rewards[:, 1]).mean(), logp[:, 0].mean(), logp[:, 1].mean(), chosen[0].mean(),
                 rejected[0].mean(), chosen[1].mean(), torch.cat([chosen[2], rejected[2]]).mean()]
     assert rejected[0].mean() != chosen[0].mean() and chosen[2].mean() > 1  # numbers that can be wrong
-    for key in results_by:
-        metrics = results_by[key][2]
+    for key, (_, _, metrics) in results_by.items():
         assert list(metrics) == list(preference.METRICS)
         assert list(metrics.values()) == pytest.approx([float(x) for x in expected], rel=1e-5, abs=1e-6), key
 
