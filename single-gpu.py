@@ -93,7 +93,7 @@ def main(argv=None):
         for micro in indices.view(config.train.grad_accum, -1):
             inputs, targets = train.batch(micro, tokenizer.pad_token_id, device, model_config, width=compiled.width)
             with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
-                summed = loss.token_loss_sum(model, inputs, targets, config.train.beta)  # pairs: DPO's, with --beta
+                summed = loss.token_loss_sum(model, inputs, targets, config.train.pair_loss)  # pairs: DPO's
                 batch_loss = summed.loss / predicted
             scaler.scale(batch_loss).backward()
             step_loss += batch_loss.detach()

@@ -115,7 +115,7 @@ def main(argv=None):
             inputs, targets = train.batch(share, tokenizer.pad_token_id, device, model_config, width=compiled.width,
                                           sequence_shard=zero.sequence_shard(rank, config.sequence_parallel))  # ZeRO
             with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
-                summed = loss.token_loss_sum(model, inputs, targets, config.train.beta)  # pairs: DPO's, with --beta
+                summed = loss.token_loss_sum(model, inputs, targets, config.train.pair_loss)  # pairs: DPO's
                 batch_loss = summed.loss / predicted
             # ZeRO: the engine averages gradients over ranks and micro-steps; undo both, so the gradient is the
             # token mean over the global batch exactly as in single-gpu.py

@@ -14,7 +14,7 @@ def eval_loss_sums(model, blocks, train, process):
     """(summed loss, predicted tokens) over this rank's share of the eval set, as a float64 tensor to all-reduce;
     for preference pairs (summed DPO loss, pairs, loss.dpo's metrics' sums). Every rank runs the same number of forward
     passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out.
-    `train`: flags.Train (--batch-size sequences a rank and pass, --beta); `process`: training.Process."""
+    `train`: flags.Train (--batch-size sequences a rank and pass, the pairs' loss); `process`: training.Process."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=process.device)
     pairs = None
@@ -24,7 +24,7 @@ def eval_loss_sums(model, blocks, train, process):
         # eagerly under --compile: in eval mode without gradients dynamo compiles every graph anew, which takes
         # longer than most evals run (docs/zero.md)
         with process.autocast, torch.compiler.set_stance("force_eager"):
-            summed = loss.token_loss_sum(model, inputs, targets, train.beta)
+            summed = loss.token_loss_sum(model, inputs, targets, train.pair_loss)
         total[0] += summed.loss.double()
         total[1] += targets.counted
         if summed.pair_metrics is not None:

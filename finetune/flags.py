@@ -63,12 +63,22 @@ class Train:
     grad_accum: int
     lr: float | None  # None until setup resolves it from the data (preference.learning_rate)
     beta: float
+    preference_loss: str
+    label_smoothing: float
+    simpo_gamma: float
+    sft_weight: float
     weight_decay: float
     warmup_ratio: float
     max_grad_norm: float
     epochs: float
     max_steps: int
     seed: int
+
+    @property
+    def pair_loss(self):
+        """How preference pairs are scored: loss.PairLoss from --preference-loss and its settings."""
+        from .loss import PairLoss
+        return PairLoss(self.preference_loss, self.beta, self.label_smoothing, self.simpo_gamma, self.sft_weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +189,13 @@ def add_flags(p, output_dir):
     g.add_argument("--lr", type=float, help="peak learning rate (default 5e-5; preference pairs 1e-6, with LoRA 5e-6)")
     g.add_argument("--beta", type=float, default=0.1, help="preference pairs (DPO): how far from the reference the "
                                                            "model may move (lower: further)")
+    g.add_argument("--preference-loss", default="sigmoid", choices=PAIR_LOSSES,
+                   help="preference pairs: sigmoid (DPO), robust (DPO for noisy labels), ipo, simpo, orpo (these two: "
+                        "no reference model) (docs/preference.md)")
+    g.add_argument("--label-smoothing", type=float, default=0.0, help="robust: the share of pairs taken as flipped")
+    g.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo: the margin between the answers' rewards")
+    g.add_argument("--sft-weight", type=float, default=0.0,
+                   help="preference pairs: add the chosen answer's negative log-likelihood this many times")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of the steps spent warming up the LR")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradients' norm to this (0: no clipping)")
@@ -206,6 +223,7 @@ def add_flags(p, output_dir):
 
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "torch_varlen")  # --attention's choices beside auto
+PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")  # --preference-loss, TRL's names (loss.PairLoss)
 RUN_CONTROL = ("resume", "overwrite", "config", "demo")  # how a run was started, not its recipe: --config skips them
 
 
@@ -290,6 +308,11 @@ def check(config, max_positions):
                         ("max_eval_samples", data)):
         if getattr(piece, name) < 0:
             fail(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(piece, name)}")
+    if not 0 <= train.label_smoothing < 0.5:
+        fail(f"--label-smoothing is the share of pairs taken as flipped: from 0 to below 0.5, got "
+             f"{train.label_smoothing}")
+    if train.sft_weight < 0 or train.beta <= 0:
+        fail(f"--sft-weight must be 0 or more and --beta positive, got {train.sft_weight} and {train.beta}")
     if train.max_steps <= 0 and train.epochs <= 0:
         fail("set --epochs or --max-steps to a positive number")
     if not 0 < data.eval_fraction < 1:

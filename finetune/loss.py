@@ -12,11 +12,13 @@ calls it: under ZeRO-3 reading the head's weight inside the forward gathers it (
 ZeRO's reduction), and the engine's bookkeeping (gradient accumulation) runs. --loss-chunk 0 is the plain path: all
 logits at once, as transformers computes them.
 
-Preference pairs (preference.py) take the same two paths to the DPO loss: each answer's log-probability is the sum
-over its tokens, and the loss of a pair compares the two with the reference's. LinearPreference makes the chunks'
+Preference pairs (preference.py) take the same two paths to their loss (PairLoss: DPO's, or another
+--preference-loss): each answer's log-probability is the sum over its tokens, and the loss of a pair compares the two
+(with the reference's, where the loss has one). LinearPreference makes the chunks'
 log-probabilities first, then the pairs' losses and the weight each token's gradient takes from them, then (a second
 pass over the chunks, unless the head is frozen) the weighted gradients.
 """
+import dataclasses
 import types
 from typing import NamedTuple
 
@@ -51,24 +53,25 @@ def attach(model, chunk_tokens):
             if p is not None:
                 deepspeed.zero.register_external_parameter(inner, p)
 
-    def forward(self, *args, loss_targets=None, loss_beta=None, **kwargs):
+    def forward(self, *args, loss_targets=None, pair_loss=None, **kwargs):
         if loss_targets is None:  # generate(), or any other caller: the model as it was
             return original(*args, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
         if not chunk_tokens:
-            return plain_loss(original(*args, **kwargs).logits, loss_targets, loss_beta)
+            return plain_loss(original(*args, **kwargs).logits, loss_targets, pair_loss)
         hidden = self.base_model(*args, **kwargs)[0]
-        return chunked_loss(hidden, self.get_output_embeddings(), chunk_tokens, loss_targets, loss_beta)
+        return chunked_loss(hidden, self.get_output_embeddings(), chunk_tokens, loss_targets, pair_loss)
 
     inner.forward = types.MethodType(forward, inner)  # on the instance: the state dict keeps its names
     return model
 
 
-def plain_loss(logits, targets, beta=None):
-    """The loss from the whole batch's logits; `targets`: blocks.Targets; `beta`: DPO's, for preference pairs."""
+def plain_loss(logits, targets, pair_loss=None):
+    """The loss from the whole batch's logits; `targets`: blocks.Targets; `pair_loss`: a PairLoss, for preference
+    pairs."""
     logits = logits if logits.dtype == torch.float32 else logits.float()
     if targets.sequence is not None:
-        return plain_preference_loss(logits, targets, beta)
+        return plain_preference_loss(logits, targets, pair_loss)
     return F.cross_entropy(logits.flatten(0, 1), targets.labels.flatten(), reduction="sum")
 
 
@@ -77,26 +80,27 @@ def plain_loss(logits, targets, beta=None):
 # anew for each count (until its recompile limit, after which the frame runs eagerly anyway). The backbone, shaped
 # by the block, compiles once.
 @torch.compiler.disable
-def plain_preference_loss(logits, targets, beta):
+def plain_preference_loss(logits, targets, pair_loss):
     logits = logits.flatten(0, 1).index_select(0, targets.index)
     labels = targets.labels.flatten().index_select(0, targets.index)
     with torch.no_grad():
         stats = answer_stats(logits.float(), labels) if targets.reference is not None else None
-    return preference_loss(-F.cross_entropy(logits, labels, reduction="none"), targets, beta, stats)
+    return preference_loss(-F.cross_entropy(logits, labels, reduction="none"), targets, pair_loss, stats)
 
 
 @torch.compiler.disable
-def chunked_loss(hidden, head, chunk_tokens, targets, beta=None):
+def chunked_loss(hidden, head, chunk_tokens, targets, pair_loss=None):
     """The loss from the final hidden states and the output head, a chunk of tokens at a time."""
     hidden = hidden.flatten(0, 1).index_select(0, targets.index)  # only the positions that carry loss
     device = hidden.device.type  # the matmuls in the dtype autocast would give them, as the head's own would
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     labels = targets.labels.flatten().index_select(0, targets.index)
     if targets.sequence is not None and targets.reference is None:  # the reference pass: log-probabilities only
-        return preference_loss(token_logps(hidden, head.weight, head.bias, labels, chunk_tokens, dtype), targets, beta)
+        return preference_loss(token_logps(hidden, head.weight, head.bias, labels, chunk_tokens, dtype), targets,
+                               pair_loss)
     if targets.sequence is not None:
         return LinearPreference.apply(hidden, head.weight, head.bias, labels, targets.sequence, targets.pairs,
-                                      targets.reference, beta, chunk_tokens, dtype, torch.is_grad_enabled())
+                                      targets.reference, pair_loss, chunk_tokens, dtype, torch.is_grad_enabled())
     return LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk_tokens, dtype,
                                     torch.is_grad_enabled())
 
@@ -151,40 +155,90 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 class Summed(NamedTuple):
-    """A batch's summed loss, and for preference pairs the sums of their metrics (dpo(): the chosen and rejected
+    """A batch's summed loss, and for preference pairs the sums of their metrics (scored(): the chosen and rejected
     rewards, the pairs ranked right, the answers' log-probabilities), else None."""
     loss: torch.Tensor
     pair_metrics: torch.Tensor | None = None
 
 
-def token_loss_sum(model, inputs, targets, beta=None):
+def token_loss_sum(model, inputs, targets, pair_loss=None):
     """The summed loss of a batch (a Summed): `targets` as blocks.Blocks.batch makes them. The scripts divide it by
     the global batch's count of tokens that carry loss, so every token weighs the same however the batch is split
-    over micro-steps and ranks. Preference pairs: the summed DPO loss (with `beta`) of the batch's pairs, divided by
-    the global batch's count of pairs (blocks.py counts pairs for them)."""
-    out = model(**inputs, loss_targets=targets, loss_beta=beta)
+    over micro-steps and ranks. Preference pairs: the summed preference loss (`pair_loss`, a PairLoss: DPO's with
+    --beta, or another --preference-loss) of the batch's pairs, divided by the global batch's count of pairs
+    (blocks.py counts pairs for them)."""
+    out = model(**inputs, loss_targets=targets, pair_loss=pair_loss)
     return Summed(*out) if isinstance(out, tuple) else Summed(out)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Preference pairs: the DPO loss
+# Preference pairs: DPO's loss and the others (--preference-loss)
 
 
-def dpo(logps, reference, beta, stats, sequence):
-    """The sigmoid DPO loss, summed over the pairs: -log sigmoid(beta * ((chosen - ref) - (rejected - ref))), where
-    `logps` and `reference` are (pairs, 2) log-probabilities. Also d(loss)/d(logps), and the metrics' sums
-    (preference.metric_values names them): the chosen and rejected rewards, the pairs ranked right, the answers'
-    log-probabilities; from `stats` (answer_stats, per predicted token of `sequence`), per answer the mean logits'
-    and the tokens' sums, the chosen tokens predicted first, the entropies' sum."""
-    chosen, rejected = (beta * (logps[:, i] - reference[:, i]) for i in (0, 1))
-    margin = chosen - rejected
-    d_margin = -torch.sigmoid(-margin)
+@dataclasses.dataclass(frozen=True)
+class PairLoss:
+    """How a pair's two answers are scored (--preference-loss, TRL's names): from their summed log-probabilities
+    (c, r), their token counts, and the reference's (c0, r0) where the loss has one; h = beta ((c - c0) - (r - r0)).
+    sigmoid: DPO, -log sigmoid(h). robust: DPO for labels flipped with probability `label_smoothing` (Chowdhury et
+    al. 2024), (-(1 - e) log sigmoid(h) + e log sigmoid(-h)) / (1 - 2e). ipo: (d - 1 / (2 beta))^2, d the
+    difference of the per-token averages of c - c0 and r - r0 (Azar et al. 2023; averaged as TRL does). simpo:
+    -log sigmoid(beta (c / |c| - r / |r|) - simpo_gamma), no reference (Meng et al. 2024). orpo: -c / |c| - beta
+    log sigmoid(log odds(c / |c|) - log odds(r / |r|)), no reference (Hong et al. 2024). sft_weight adds the chosen
+    answer's mean negative log-likelihood, -c / |c|, that many times (TRL's "sft" beside another loss)."""
+    kind: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    sft_weight: float = 0.0
+
+    @property
+    def needs_reference(self):
+        return self.kind not in ("simpo", "orpo")
+
+    def per_pair(self, logps, reference, lengths):
+        """Each pair's loss, differentiable in `logps` ((pairs, 2): chosen, rejected)."""
+        mean = logps / lengths
+        if self.kind in ("sigmoid", "robust"):
+            h = self.beta * ((logps[:, 0] - reference[:, 0]) - (logps[:, 1] - reference[:, 1]))
+            e = self.label_smoothing if self.kind == "robust" else 0.0
+            loss = (-(1 - e) * F.logsigmoid(h) + e * F.logsigmoid(-h)) / (1 - 2 * e)
+        elif self.kind == "ipo":
+            d = (logps - reference) / lengths
+            loss = (d[:, 0] - d[:, 1] - 1 / (2 * self.beta)) ** 2
+        elif self.kind == "simpo":
+            loss = -F.logsigmoid(self.beta * (mean[:, 0] - mean[:, 1]) - self.simpo_gamma)
+        elif self.kind == "orpo":
+            odds = mean - torch.log1p(-torch.exp(mean))
+            loss = -mean[:, 0] - self.beta * F.logsigmoid(odds[:, 0] - odds[:, 1])
+        else:
+            raise ValueError(f"unknown preference loss {self.kind!r}")
+        return loss - self.sft_weight * mean[:, 0] if self.sft_weight else loss
+
+    def rewards(self, logps, reference, lengths):
+        """(pairs, 2) implicit rewards, as TRL reports them: beta (logp - reference logp); without a reference
+        (simpo, orpo) beta times the answers' mean log-probability."""
+        return self.beta * (logps - reference if self.needs_reference else logps / lengths)
+
+
+def scored(pair_loss, logps, reference, lengths, stats, sequence):
+    """A PairLoss summed over the pairs, d(loss)/d(logps) ((pairs, 2)), and the metrics' sums (preference.metric_values
+    names them): the chosen and rejected rewards, the pairs ranked right, the answers' log-probabilities; from
+    `stats` (answer_stats, per predicted token of `sequence`), per answer the mean logits' and the tokens' sums, the
+    chosen tokens predicted first, the entropies' sum."""
+    with torch.enable_grad():
+        leaf = logps.detach().requires_grad_()
+        loss = pair_loss.per_pair(leaf, reference, lengths).sum()
+        d_logps, = torch.autograd.grad(loss, leaf)
+    return loss.detach(), d_logps, metrics(pair_loss, logps.detach(), reference, lengths, stats, sequence)
+
+
+def metrics(pair_loss, logps, reference, lengths, stats, sequence):
+    chosen, rejected = pair_loss.rewards(logps, reference, lengths).unbind(1)
     first = (sequence % 2 == 0).float()  # a pair's chosen answer is its first sequence
     mean_logit, top1, entropy = stats
-    metrics = torch.stack([chosen.sum(), rejected.sum(), (margin > 0).float().sum(), logps[:, 0].sum(),
-                           logps[:, 1].sum(), (mean_logit * first).sum(), (mean_logit * (1 - first)).sum(),
-                           first.sum(), (1 - first).sum(), (top1 * first).sum(), entropy.sum()])
-    return F.softplus(-margin).sum(), beta * torch.stack([d_margin, -d_margin], 1), metrics.detach().float()
+    return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), logps[:, 0].sum(),
+                        logps[:, 1].sum(), (mean_logit * first).sum(), (mean_logit * (1 - first)).sum(),
+                        first.sum(), (1 - first).sum(), (top1 * first).sum(), entropy.sum()]).detach().float()
 
 
 def answer_stats(logits, labels):
@@ -198,15 +252,23 @@ def answer_stats(logits, labels):
     return torch.stack([logits.mean(-1), (logits.argmax(-1) == labels).float(), entropy])
 
 
-def preference_loss(token, targets, beta, stats=None):
+def preference_loss(token, targets, pair_loss, stats=None):
     """From each predicted token's log-probability: each answer's sum; then (the loss, metrics) or, without a
     reference yet, the (pairs, 2) sums themselves."""
     logps = torch.zeros(2 * targets.pairs, dtype=torch.float32, device=token.device).index_add(0, targets.sequence,
                                                                                                 token.float())
     if targets.reference is None:
         return logps.view(-1, 2)
-    loss, _, metrics = dpo(logps.view(-1, 2), targets.reference, beta, stats, targets.sequence)
-    return loss, metrics
+    lengths = answer_lengths(targets.sequence, targets.pairs)
+    loss = pair_loss.per_pair(logps.view(-1, 2), targets.reference, lengths).sum()
+    return loss, metrics(pair_loss, logps.view(-1, 2), targets.reference, lengths, stats, targets.sequence)
+
+
+def answer_lengths(sequence, pairs):
+    """(pairs, 2) tokens that carry loss in each answer (at least 1)."""
+    ones = torch.ones(len(sequence), dtype=torch.float32, device=sequence.device)
+    return torch.zeros(2 * pairs, dtype=torch.float32, device=sequence.device).index_add_(0, sequence, ones).view(
+        -1, 2).clamp_(min=1)
 
 
 def _logits(h, w, b):
@@ -230,16 +292,17 @@ def token_logps(hidden, weight, bias, targets, chunk, dtype, with_stats=False):
 
 
 class LinearPreference(torch.autograd.Function):
-    """dpo() over the pairs of a batch, from the final hidden states, chunk by chunk: the log-probabilities first
+    """A PairLoss over the pairs of a batch, from the final hidden states, chunk by chunk: the log-probabilities first
     (token_logps), then the gradients with each token's weight, d(loss)/d(its answer's logp): a second pass over the
     chunks where the head is trained, else the hidden states' gradient made in the first pass and scaled."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, sequence, pairs, reference, beta, chunk, dtype, with_grads):
+    def forward(ctx, hidden, weight, bias, targets, sequence, pairs, reference, pair_loss, chunk, dtype, with_grads):
         need_hidden, need_weight, need_bias = (with_grads and needed for needed in ctx.needs_input_grad[:3])
         token, stats = token_logps(hidden, weight, bias, targets, chunk, dtype, with_stats=True)
         logps = torch.zeros(2 * pairs, dtype=torch.float32, device=hidden.device).index_add_(0, sequence, token)
-        loss, d_logps, metrics = dpo(logps.view(-1, 2), reference, beta, stats, sequence)
+        loss, d_logps, sums = scored(pair_loss, logps.view(-1, 2), reference, answer_lengths(sequence, pairs), stats,
+                                     sequence)
         # d(loss)/d(logits) of a token = -d(loss)/d(its logp) x (softmax - one-hot)
         weights = -d_logps.flatten().index_select(0, sequence)
         grad_hidden = grad_weight = grad_bias = None
@@ -267,8 +330,8 @@ class LinearPreference(torch.autograd.Function):
                         grad_bias += g.sum(0)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(metrics)
-        return loss, metrics
+        ctx.mark_non_differentiable(sums)
+        return loss, sums
 
     @staticmethod
     def backward(ctx, grad_out, _):

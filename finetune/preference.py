@@ -226,6 +226,8 @@ def reference(model, splits, config, out, process):
         fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
     rank, world_size = process.rank, process.world_size
     without_dropout(model)
+    if not config.train.pair_loss.needs_reference:  # simpo, orpo: no reference model, nothing to score or keep
+        return [split.with_reference(torch.zeros(split.pairs_total, 2)) for split in splits]
     path, tensors, made_of = out / "reference.pt", None, fingerprint(splits, config.model)
     if config.run.resume and rank == 0:  # a run that starts (an earlier run's file included) scores them anew
         if not path.exists():

@@ -196,7 +196,7 @@ class RunStats:
         if metrics is not None:  # preference pairs: the DPO loss, how often the chosen answer gains more, TRL's rest
             self.trackers.log({"eval/loss": value, **{f"eval/{k}": v for k, v in metrics.items()},
                                "eval/runtime": seconds}, step + 1)
-            return (f"step {step + 1} | eval DPO loss {value:.4f} | reward accuracy "
+            return (f"step {step + 1} | eval preference loss {value:.4f} | reward accuracy "
                     f"{metrics['rewards/accuracies']:.3f} | {tokens:,} pairs | {seconds:.1f} s{mark}{failed}")
         self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},
                           step + 1)

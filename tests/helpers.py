@@ -261,3 +261,21 @@ def build(name, tokenizer, folder, **changes):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def sequences(split):
+    """Every pair of a split as (chosen tokens, its loss flags, rejected tokens, its flags), in the pairs' order; a
+    rejected sequence whole, with the prompt it shares with the chosen one (packed) put back before it."""
+    out = {}
+    for b in range(len(split)):
+        s, n = split.starts[b], split.lengths[b]
+        tokens, flags = np.asarray(split.tokens[s:s + n]), np.asarray(split.flags[s:s + n])
+        bounds = [*np.flatnonzero(flags & blocks.DOC_START), n]
+        segments = [(tokens[a:z].tolist(), flags[a:z]) for a, z in zip(bounds, bounds[1:])]
+        loss = lambda f: ((f & blocks.LOSS) > 0).astype(int).tolist()
+        for k, pair in enumerate(split.pair_ids([b])):
+            (c, cf), (r, rf) = segments[2 * k], segments[2 * k + 1]
+            keep = int(((cf & blocks.SHARED) > 0).sum())
+            assert not (cf[keep:] & blocks.SHARED).any() and not (rf & blocks.SHARED).any()  # the prompt's start only
+            out[int(pair)] = (c, loss(cf), c[:keep] + r, [0] * keep + loss(rf))
+    return [out[i] for i in range(len(out))]

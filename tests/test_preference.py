@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
-                     crash_after_first_checkpoint, launch, load_script, results, weights)
+                     crash_after_first_checkpoint, launch, load_script, results, sequences, weights)
 from finetune import blocks, data, demo, flags, loss, preference, training
 
 single = load_script("single-gpu.py")
@@ -45,24 +45,6 @@ def dpo_args(pairs, out, **overrides):
 
 def data_args(path, **kw):
     return flags.defaults(**{"dataset": str(path), "seed": 0, "block_size": BLOCK, "max_eval_samples": 0, **kw}).data
-
-
-def sequences(split):
-    """Every pair of a split as (chosen tokens, its loss flags, rejected tokens, its flags), in the pairs' order; a
-    rejected sequence whole, with the prompt it shares with the chosen one (packed) put back before it."""
-    out = {}
-    for b in range(len(split)):
-        s, n = split.starts[b], split.lengths[b]
-        tokens, flags = np.asarray(split.tokens[s:s + n]), np.asarray(split.flags[s:s + n])
-        bounds = [*np.flatnonzero(flags & blocks.DOC_START), n]
-        segments = [(tokens[a:z].tolist(), flags[a:z]) for a, z in zip(bounds, bounds[1:])]
-        loss = lambda f: ((f & blocks.LOSS) > 0).astype(int).tolist()
-        for k, pair in enumerate(split.pair_ids([b])):
-            (c, cf), (r, rf) = segments[2 * k], segments[2 * k + 1]
-            keep = int(((cf & blocks.SHARED) > 0).sum())
-            assert not (cf[keep:] & blocks.SHARED).any() and not (rf & blocks.SHARED).any()  # the prompt's start only
-            out[int(pair)] = (c, loss(cf), c[:keep] + r, [0] * keep + loss(rf))
-    return [out[i] for i in range(len(out))]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -269,7 +251,7 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
             preference.without_dropout(model)
             blocks_all = np.arange(len(train))
             inputs, targets = train.batch(blocks_all, tok.pad_token_id, torch.device("cpu"), model.config)
-            summed = loss.token_loss_sum(model, inputs, targets, 0.5)
+            summed = loss.token_loss_sum(model, inputs, targets, loss.PairLoss(beta=0.5))
             value = summed.loss / train.pairs_total
             value.backward()
             metrics = preference.metric_values(summed.pair_metrics.tolist(), train.pairs_total)
