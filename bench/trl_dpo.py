@@ -1,6 +1,8 @@
 """The preference-tuning peer: TRL's DPOTrainer with its defaults (no packing, pairs padded per batch, the reference a
-second copy of the model) through the Hugging Face Trainer and DeepSpeed ZeRO-2 (the configuration peers.py uses),
-on a dataset of TRL's columns. What bench/dpo.py runs beside ours:
+second copy of the model, gradient checkpointing on) through the Hugging Face Trainer and DeepSpeed ZeRO-2 (the
+configuration peers.py uses), on a dataset of TRL's columns; with --fast, set for speed as a careful user would
+(gradient checkpointing off, the reference's log-probabilities computed once before training). What bench/dpo.py
+runs beside ours:
 
     deepspeed --num_gpus 2 bench/trl_dpo.py --model M --dataset pairs.jsonl --output-dir OUT --lr 1e-4 --beta 0.1
 
@@ -30,6 +32,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=8, help="pairs per device per step")
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--warmup-ratio", type=float, default=0.05)
+    p.add_argument("--fast", action="store_true", help="gradient_checkpointing=False, precompute_ref_log_probs=True")
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     import datasets
@@ -50,7 +53,8 @@ def main():
         warmup_steps=args.warmup_ratio, max_grad_norm=1.0, weight_decay=0.0, max_length=args.max_length,
         report_to="none", save_strategy="no", logging_steps=10**9, use_cpu=not cuda, disable_tqdm=True, bf16=False,
         deepspeed=zero_config.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda), seed=42, data_seed=42,
-        dataloader_pin_memory=cuda)
+        dataloader_pin_memory=cuda, **(dict(gradient_checkpointing=False, precompute_ref_log_probs=True)
+                                       if args.fast else {}))
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trainer = DPOTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
     out = trainer.train()
