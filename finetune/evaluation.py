@@ -12,8 +12,9 @@ from .blocks import rank_batches
 @torch.no_grad()
 def eval_loss_sums(model, blocks, train, process):
     """(summed loss, predicted tokens) over this rank's share of the eval set, as a float64 tensor to all-reduce;
-    for preference pairs (summed DPO loss, pairs, loss.dpo's metrics' sums). Every rank runs the same number of forward
-    passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is masked out.
+    for preference pairs (summed pair loss, pairs, loss.scored's metrics' sums). Every rank runs the same number of
+    forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is
+    masked out.
     `train`: flags.Train (--batch-size sequences a rank and pass, the pairs' loss); `process`: training.Process."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=process.device)
@@ -43,7 +44,7 @@ def evaluate(model, blocks, train, process):
         torch.distributed.all_reduce(sums)
     sums = sums.tolist()
     metrics = preference.metric_values(sums[2:], sums[1]) if len(sums) > 2 else None
-    return sums[0] / sums[1], int(sums[1]), metrics
+    return sums[0] / sums[1] if sums[1] else math.nan, int(sums[1]), metrics
 
 
 def perplexity(value):

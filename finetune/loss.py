@@ -184,7 +184,8 @@ class PairLoss:
     difference of the per-token averages of c - c0 and r - r0 (Azar et al. 2023; averaged as TRL does). simpo:
     -log sigmoid(beta (c / |c| - r / |r|) - simpo_gamma), no reference (Meng et al. 2024). orpo: -c / |c| - beta
     log sigmoid(log odds(c / |c|) - log odds(r / |r|)), no reference (Hong et al. 2024). sft_weight adds the chosen
-    answer's mean negative log-likelihood, -c / |c|, that many times (TRL's "sft" beside another loss)."""
+    answer's mean negative log-likelihood, -c / |c|, that many times (TRL's "sft" beside another loss; TRL averages
+    it, and ORPO's, over the batch's chosen tokens, here over the pairs' per-answer means)."""
     kind: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -208,7 +209,7 @@ class PairLoss:
         elif self.kind == "simpo":
             loss = -F.logsigmoid(self.beta * (mean[:, 0] - mean[:, 1]) - self.simpo_gamma)
         elif self.kind == "orpo":
-            odds = mean - torch.log1p(-torch.exp(mean))
+            odds = mean - torch.log(-torch.expm1(mean.clamp(max=-1e-6)))  # log(1 - p), finite at p = 1
             loss = -mean[:, 0] - self.beta * F.logsigmoid(odds[:, 0] - odds[:, 1])
         else:
             raise ValueError(f"unknown preference loss {self.kind!r}")

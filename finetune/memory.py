@@ -73,8 +73,8 @@ def layer_bytes(config, precision, autocast=False):
         try:
             text = config.get_text_config()
             k = 1
-            while (text.head_dim if getattr(text, "head_dim", None) else text.hidden_size //
-                   text.num_attention_heads) // (2 * k) >= 8 and all(w % (2 * k) == 0 for w in widths(text).values()):
+            head = text.head_dim if getattr(text, "head_dim", None) else text.hidden_size // text.num_attention_heads
+            while head // (2 * k) >= 8 and all(w % (4 * k) == 0 for w in widths(text).values()):  # rotary: even
                 k *= 2
             small, q = count_layer(config, precision, autocast, k)
             if k > 1:  # a token's bytes there: wide / k + fixed; at twice the widths: 2·wide / k + fixed

@@ -99,7 +99,7 @@ def mend(engine):
             return load_checkpoint(*args, **kwargs)
 
     engine.load_checkpoint = load_checkpoint_safely
-    if not stage0 and not engine.zero_optimization_partition_weights():
+    if hasattr(optimizer, "_update_model_bit16_weights"):  # ZeRO-1/2's (not ZeRO-3's, nor BF16_Optimizer's)
         repoint_only_when_moved(optimizer)
     if not stage0 and engine.mpu is None and not engine.has_moe_layers:
         norm_at_once(optimizer)

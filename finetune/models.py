@@ -57,10 +57,10 @@ def load_causal_lm(settings, config, device):
     architecture = AutoModelForCausalLM._model_mapping.get(type(config), None) if not settings.trust_remote_code \
         else None
     kernel = varlen.torch_kernel()
+    fits = device.type == "cuda" and varlen.fits(varlen.form(kernel), **varlen.model_facts(config, architecture))
     implementation = hardware.attention(hardware.facts(device), settings.precision, is_flash_attn_2_available(),
                                         getattr(architecture, "_supports_flash_attn", False),
-                                        getattr(architecture, "_compatible_flash_implementations", None),
-                                        varlen.fits(varlen.form(kernel), **varlen.model_facts(config, architecture)))
+                                        getattr(architecture, "_compatible_flash_implementations", None), fits)
     if settings.attention != "auto":  # the user's choice, where it can run at all
         implementation = settings.attention
         if implementation == "flash_attention_2" and not is_flash_attn_2_available():
@@ -69,6 +69,10 @@ def load_causal_lm(settings, config, device):
         if implementation == varlen.NAME and (varlen.form(kernel) is None or device.type != "cuda"):
             fail(f"--attention {varlen.NAME}: torch's varlen FlashAttention needs torch 2.10 or later and an NVIDIA "
                  f"GPU (this is torch {torch.__version__} on {device.type}); use --attention auto")
+        if implementation == varlen.NAME and (not fits or settings.precision not in hardware.AUTOCAST_DTYPES):
+            fail(f"--attention {varlen.NAME}: this model or precision does not fit torch's varlen kernel (16 bits; "
+                 f"no softcapping, sinks or attention dropout; heads of at most 256; a sliding window from torch "
+                 f"2.12); use --attention auto")
     if implementation == varlen.NAME:
         varlen.register(kernel)
     extra = {"attn_implementation": implementation} if implementation else {}

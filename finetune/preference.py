@@ -14,6 +14,7 @@ cuts a sequence at its end), then, with the answers at a floor, the prompt's mid
 one that cannot fit even so is dropped, one with nothing to prefer skipped: each counted and said at start (fit).
 """
 import json
+import math
 import time
 from pathlib import Path
 
@@ -30,15 +31,15 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 def metric_values(sums, pairs):
-    """METRICS from loss.dpo's sums over some pairs (a list): per pair the rewards, the share ranked right, their
+    """METRICS from loss.scored's sums over some pairs (a list): per pair the rewards, the share ranked right, their
     margin and the answers' log-probabilities; per answer token the mean logit (chosen, rejected), per chosen token
     the share predicted as the most likely token, per answer token the entropy: as TRL's DPOTrainer logs them."""
     chosen, rejected, right, logp_chosen, logp_rejected, logit_chosen, logit_rejected, n_chosen, n_rejected, top1, \
         entropy = sums
-    per = lambda value, count: value / count if count else 0.0
-    return dict(zip(METRICS, [chosen / pairs, rejected / pairs, right / pairs, (chosen - rejected) / pairs,
-                              logp_chosen / pairs, logp_rejected / pairs, per(logit_chosen, n_chosen),
-                              per(logit_rejected, n_rejected), per(top1, n_chosen),
+    per = lambda value, count: value / count if count else math.nan
+    return dict(zip(METRICS, [per(chosen, pairs), per(rejected, pairs), per(right, pairs),
+                              per(chosen - rejected, pairs), per(logp_chosen, pairs), per(logp_rejected, pairs),
+                              per(logit_chosen, n_chosen), per(logit_rejected, n_rejected), per(top1, n_chosen),
                               per(entropy, n_chosen + n_rejected)]))
 
 

@@ -11,6 +11,8 @@ the form and the model's facts (fits) whether it runs; on a CPU it never does (t
 feed the plumbing a reference kernel of the same signature."""
 import inspect
 
+import torch
+
 NAME = "torch_varlen"  # the attention implementation's name in transformers' AttentionInterface
 
 
@@ -31,28 +33,39 @@ def torch_kernel():
     return varlen_attn
 
 
-def fits(kernel_form, head_dim, window, softcap, dropout, interface, sinks):
+def fits(kernel_form, head_dim, window, softcap, dropout, interface, sinks, uneven_heads):
     """Whether a model's attention can run on torch's varlen kernel of this form: it calls transformers' attention
     interface (`_supports_attention_backend`), has no attention sinks nor logit softcapping nor attention dropout
-    (the kernel has none), heads of at most 256 and a multiple of 8 (FlashAttention's), and a sliding window only
-    where the form takes one. Grouped key/value heads run on either (repeated for the 2.10/2.11 form)."""
-    if kernel_form not in ("window", "is_causal") or not interface or sinks or softcap or dropout:
+    (the kernel has none), one head size for queries, keys and values (not MLA's), heads of at most 256 and a
+    multiple of 8 (FlashAttention's), and a sliding window only where the form takes one. Grouped key/value heads
+    run on either (repeated for the 2.10/2.11 form)."""
+    if kernel_form not in ("window", "is_causal") or not interface or sinks or softcap or dropout or uneven_heads:
         return False
     return head_dim <= 256 and head_dim % 8 == 0 and (not window or kernel_form == "window")
 
 
 def model_facts(config, architecture):
-    """fits()'s facts of a model, from its config and its class."""
+    """fits()'s facts of a model, from its config and its class (a model without attention heads fits nothing)."""
     from .hardware import text_config
 
     text = text_config(config)
-    return dict(head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-                window=getattr(text, "sliding_window", None) is not None and any(
-                    t == "sliding_attention" for t in (getattr(text, "layer_types", None) or ["sliding_attention"])),
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        return dict(head_dim=0, window=False, softcap=False, dropout=0.0, interface=False, sinks=False,
+                    uneven_heads=False)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    # layers with a window: every layer where the config class declares no layer types (Mistral's model windows
+    # every layer whatever a checkpoint lists), else those its types name (blocks.document_masks decides alike)
+    declared = any("layer_types" in inspect.get_annotations(k) for k in type(text).__mro__)
+    types = getattr(text, "layer_types", None) if declared else None
+    windowed = getattr(text, "sliding_window", None) is not None
+    return dict(head_dim=head_dim, window=windowed and (not types or "sliding_attention" in types),
                 softcap=bool(getattr(text, "attn_logit_softcapping", None)),
-                dropout=float(getattr(text, "attention_dropout", 0.0) or 0.0),
+                dropout=float(getattr(text, "attention_dropout", None) or getattr(text, "attn_pdrop", None) or 0.0),
                 interface=bool(getattr(architecture, "_supports_attention_backend", False)),
-                sinks=getattr(architecture, "_compatible_flash_implementations", None) is not None)
+                sinks=getattr(architecture, "_compatible_flash_implementations", None) is not None,
+                uneven_heads=getattr(text, "kv_lora_rank", None) is not None
+                or getattr(text, "v_head_dim", None) not in (None, head_dim))
 
 
 def attention(kernel):
@@ -68,8 +81,14 @@ def attention(kernel):
         if kwargs.get("cu_seq_lens_q") is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
-        # (1, heads, tokens, head size) -> (tokens, heads, head size): one row of documents end to end
-        q, k, v = (x.transpose(1, 2).flatten(0, 1).contiguous() for x in (query, key, value))
+        if dropout:
+            raise ValueError(f"{NAME} attention has no dropout ({dropout}); use --attention sdpa")
+        # (1, heads, tokens, head size) -> (tokens, heads, head size): one row of documents end to end, in the 16 bits
+        # autocast computes in (rotary embeddings over fp32 hidden states leave queries and keys in fp32; the
+        # kernel, a custom op, has no autocast rule), as transformers' flash path casts them
+        device = query.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+        q, k, v = (x.transpose(1, 2).flatten(0, 1).to(dtype).contiguous() for x in (query, key, value))
         bounds = (kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"])
         head_dim = q.shape[-1]
         if kernel_form == "window":

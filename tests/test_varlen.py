@@ -29,12 +29,14 @@ def window_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """torch 2.12 on: causal is window_size (-1, 0)."""
     assert window_size[1] == 0 and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
+    assert query.dtype == key.dtype == value.dtype  # FlashAttention takes one dtype
     return each_document(query, key, value, cu_seq_q, scale, window_size[0], enable_gqa)
 
 
 def causal_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     """torch 2.10/2.11: is_causal, the default scale, one head count."""
     assert is_causal and key.shape[1] == query.shape[1] and torch.equal(cu_seq_q, cu_seq_k)
+    assert query.dtype == key.dtype == value.dtype
     return each_document(query, key, value, cu_seq_q)
 
 
@@ -65,6 +67,10 @@ def test_torch_varlen_is_chosen_from_the_gpu_torchs_form_and_the_models_facts():
     assert facts(gpt_oss)["sinks"] and facts(llama)["interface"]
     opt = AutoConfig.for_model("opt", attention_dropout=0.1)
     assert not varlen.fits("window", **facts(opt))  # the kernel has no dropout
+    assert facts(AutoConfig.for_model("gpt2"))["dropout"] == 0.1  # GPT-2 names it attn_pdrop
+    deepseek = AutoConfig.for_model("deepseek_v3")  # MLA: keys of 192, values of 128
+    assert facts(deepseek)["uneven_heads"] and not varlen.fits("window", **facts(deepseek))
+    assert not varlen.fits("window", **facts(AutoConfig.for_model("mamba")))  # no attention heads: nothing fits
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +139,31 @@ def test_a_run_through_torch_varlen_trains_as_the_masked_one(tiny, tmp_path, mon
     torch.testing.assert_close(packed["losses"], masked["losses"], rtol=1e-5, atol=0)
     assert packed["eval_loss"] == pytest.approx(masked["eval_loss"], rel=1e-5) and packed["sample"]
     assert len(calls) >= 2 * 4  # every layer of every step
+
+
+@pytest.mark.parametrize("kernel", [window_form, causal_form])
+def test_under_autocast_the_kernel_gets_one_16_bit_dtype(corpora, monkeypatch, kernel):
+    """single-gpu.py's bf16 is autocast over fp32 weights: Llama's rotary embeddings leave queries and keys in fp32
+    beside 16-bit values, and torch's kernel (a custom op) has no autocast rule. They reach it in bf16, all three
+    (the reference kernels check), and the logits are the stock model's on each document alone under the same
+    autocast, to bf16's rounding."""
+    from transformers import AttentionInterface
+
+    seen = []
+    kernel_seen = functools.wraps(kernel)(lambda q, *a, **k: seen.append(q.dtype) or kernel(q, *a, **k))
+    monkeypatch.setitem(AttentionInterface._global_mapping, varlen.NAME, varlen.attention(kernel_seen))
+    folder = corpora["root"] / "llama"
+    if not folder.exists():
+        build("llama", corpora["tokenizer"], folder, max_position_embeddings=256)
+    stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=varlen.NAME)
+    split, _ = data.prepare(data_args(corpora["chats"], block_size=128), corpora["tokenizer"])
+    rows = [i for i in range(len(split)) if len(documents_of(split, i)) >= 2][:3]
+    inputs, _ = split.batch(rows, 0, torch.device("cpu"), packed.config)
+    cu, ids, positions = inputs["cu_seq_lens_q"], inputs["input_ids"][0], inputs["position_ids"][0]
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        logits = packed(**inputs).logits[0].float()
+        apart = torch.cat([stock(input_ids=ids[None, a:b], position_ids=positions[None, a:b]).logits[0].float()
+                           for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])])
+    assert set(seen) == {torch.bfloat16} and len(seen) == 2  # both layers, in bf16
+    torch.testing.assert_close(logits, apart, rtol=0.05, atol=0.05)
