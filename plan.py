@@ -166,8 +166,10 @@ def model_states(params, hidden, precision, ranks, option, layer=None):
             cpu = states + 4 * mine + b * mine + b * largest
             return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
         held = weights + states  # in the step: the fp32 flat copy of the gradient partition (the norm copies none:
-        return dict(after_backward=held + b * mine, after_step=held, gpu=held + b * mine, cpu=0,  # mends.norm_at_once)
-                    in_step=held + b * mine + 4 * mine)
+        # mends.norm_at_once); on one GPU the gradients stay where autograd made them (contiguous_gradients off) and
+        # the step flattens them first: a second 16-bit copy
+        return dict(after_backward=held + b * mine, after_step=held, gpu=held + b * mine, cpu=0,
+                    in_step=held + (2 if n == 1 else 1) * b * mine + 4 * mine)
     # stage 3: everything partitioned: trainable 16-bit shards, a persistent 16-bit gradient partition, fp32 master
     # and moments; frozen shards; small parameters also held whole (gathered, persistent); one reduce bucket.
     # (LoRA adapters, made after the model's zero.Init, are cast to the run's 16 bits before the engine takes them.)
@@ -273,7 +275,8 @@ def plan(args):
         states = {k: v + (constants if k != "cpu" else 0)
                   for k, v in model_states(held, hidden, args.precision, ranks, option, layer).items()}
         transient = b * dequantized  # a quantized layer's weight, dequantized for its matmul
-        if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload"):  # the reduce buckets (x2: overlap_comm, 2+ GPUs)
+        # the reduce buckets (x2: overlap_comm, 2+ GPUs); on one GPU without offload nothing is reduced
+        if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload") and (ranks > 1 or "offload" in option):
             transient += (2 if ranks > 1 else 1) * b * max(hidden ** 2, ZERO2_BUCKET)
         if option == "ZeRO-2 + CPU offload":  # the norm's fp64 copy is made in the backward pass here
             transient += norm_copy_bytes(params, ranks)

@@ -99,7 +99,7 @@ def main(argv=None):
             step_loss += batch_loss.detach()
             stats.micro_step(summed)  # progress, for the hang watchdog; preference pairs: their metrics' sums
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.max_grad_norm or math.inf)
+        grad_norm = training.clip_gradients(optimizer, config.train.max_grad_norm)  # their norm before clipping
         scaler.step(optimizer)  # fp16: skips the update when a gradient overflowed, and lowers the scale
         scaler.update()
         scale, last_scale = scaler.get_scale(), scale  # fp16 only: a host sync (DeepSpeed syncs for the same check)

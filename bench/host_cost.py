@@ -14,7 +14,9 @@ model's), 4 sequences of 64 tokens a rank:
   each a device sync on a GPU when the tensor lives there (both scripts also read 2 of the host's own: the stop
   flag, a CPU tensor);
 - syncs: the accelerator's synchronize() (torch.cuda.synchronize, DeepSpeed's get_accelerator().synchronize);
-- collectives: the process group's operations (all-reduce, reduce-scatter, all-gather, ...), by name.
+- collectives: the process group's operations (all-reduce, reduce-scatter, all-gather, ...), by name;
+- calls: the Python functions called in the next step (counted apart, without the counting mode's own): the host's
+  interpreter work, which launches do not count (an engine's per-parameter hooks, each a dozen calls).
 The counts are those of a GPU run but for the branches DeepSpeed takes only on CUDA (its side streams and events;
 docs/gpu.md). bench/BENCHMARKS.md holds the table; tests/test_host_cost.py holds the budgets.
 """
@@ -47,7 +49,8 @@ RUNS = {  # name -> (script, its flags)
     "ZeRO-3 + CPU offload": ("zero-optimization.py", ["--zero-stage=3", "--offload=cpu",
                                                       "--deepspeed=ds_config_zero3.json"]),
 }
-COUNTED_STEP = 3  # steps 1-3 warm up (the optimizer's state, the engine's first-step work); step 4 is counted
+COUNTED_STEP = 3  # steps 1-3 warm up (the optimizer's state, the engine's first-step work); step 4 is counted,
+# step 5's Python calls
 READS = {torch.ops.aten._local_scalar_dense.default}
 ALLOCATIONS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh", "aten::set_"}
 COLLECTIVES = ("c10d", "deepspeed")  # the namespaces of the process group's operations (and DeepSpeed's CPU one)
@@ -147,7 +150,7 @@ def assets(folder):
 def flags(name, precision, files, out):
     script, extra = RUNS[name]
     return script, [f"--model={files['model']}", f"--dataset={files['data']}", "--block-size=64", "--batch-size=4",
-                    f"--max-steps={COUNTED_STEP + 2}", "--log-every=1000", "--save-every=0", "--eval-every=0",
+                    f"--max-steps={COUNTED_STEP + 3}", "--log-every=1000", "--save-every=0", "--eval-every=0",
                     "--max-eval-samples=4", "--prompt=", f"--precision={precision}", f"--output-dir={out}",
                     "--overwrite", *extra]
 
@@ -161,9 +164,13 @@ def load_script(name):
 
 def count(script, argv, where=False, step=COUNTED_STEP):
     """Run script's main(argv) in this process and count one steady step: from the end of step `step` to the end of
-    the next (what the loop does after a step, its checks, then a whole step)."""
+    the next (what the loop does after a step, its checks, then a whole step); then the Python calls of the step
+    after it."""
     counter, end_step = HostWork(where), progress.RunStats.end_step
-    active = contextlib.ExitStack()
+    active, calls = contextlib.ExitStack(), [0]
+
+    def call(frame, event, arg):
+        calls[0] += event == "call"  # Python functions; "c_call" is a builtin's
 
     def counting_end_step(stats, *args, **kwargs):
         end_step(stats, *args, **kwargs)
@@ -171,6 +178,9 @@ def count(script, argv, where=False, step=COUNTED_STEP):
             active.enter_context(counter.counting())
         elif stats.step == step + 1:
             active.close()
+            sys.setprofile(call)
+        elif stats.step == step + 2:
+            sys.setprofile(None)
 
     progress.RunStats.end_step = counting_end_step
     try:
@@ -178,8 +188,9 @@ def count(script, argv, where=False, step=COUNTED_STEP):
             load_script(script).main(argv)
     finally:
         active.close()
+        sys.setprofile(None)
         progress.RunStats.end_step = end_step
-    return counter.result()
+    return {**counter.result(), "calls": calls[0]}
 
 
 def count_run(name, precision, files, ranks=1, where=False, launch=None):
@@ -218,14 +229,14 @@ def worker(folder, where, script, argv):
 
 def table(rows):
     """Markdown: one row per (run, precision, ranks), each figure also as a multiple of single-gpu.py's."""
-    lines = ["| run | precision | ranks | ops | x single-gpu.py | kernels | reads | syncs | collectives |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | precision | ranks | ops | x single-gpu.py | kernels | reads | syncs | collectives | "
+             "Python calls |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (name, precision, ranks), c in rows.items():
         base = rows.get(("single-gpu.py", precision, 1))
         ratio = f"{c['ops'] / base['ops']:.2f}x" if base else "-"
         collectives = ", ".join(f"{n} {k}" for k, n in sorted(c["collectives"].items())) or "0"
         lines.append(f"| {name} | {precision} | {ranks} | {c['ops']:,} | {ratio} | {c['kernels']:,} | {c['reads']} | "
-                     f"{c['syncs']} | {collectives} |")
+                     f"{c['syncs']} | {collectives} | {c['calls']:,} |")
     return "\n".join(lines)
 
 

@@ -42,7 +42,11 @@ def mend(engine):
       halving that update (and ZeRO-3's logged norm). torch's GradScaler grows after the update: so does this, and
       the config's loss_scale_window is one less than its growth_interval (DeepSpeed counts one more clean step).
     - ZeRO-1/2 point every parameter anew at its slice of the flat 16-bit buffer after each step (4 operations a
-      parameter), where they already are: repoint_only_when_moved."""
+      parameter), where they already are: repoint_only_when_moved.
+    - ZeRO-1/2 on one rank all-reduce the gradients with themselves: reduce_nothing_alone.
+    - ZeRO-0 walks the module tree for its parameters at every step, to clip and to drop the gradients: a list, once.
+    - NVTX ranges around DeepSpeed's functions, and ZeRO-3's debug messages: quiet_instrumentation."""
+    import deepspeed.comm as dist
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.utils import clip_grad_norm_
@@ -54,6 +58,15 @@ def mend(engine):
         for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups):
             for master, weight in zip(masters, weights):
                 master.data.copy_(weight.data)  # as before that zero-gradient step's weight decay
+    # the module's parameters, once: engine.py walks the module tree for them at every step (1,900 Python calls for
+    # OPT-125m's 196 tensors), to clip and then to set each gradient to None
+    module_parameters = list(engine.module.parameters())
+    if stage0 and not engine.fp16_enabled() and not engine.bfloat16_enabled():  # engine.zero_grad's callers
+        def zero_grad():
+            for param in module_parameters:
+                param.grad = None
+
+        engine.zero_grad = zero_grad
     if engine.fp16_enabled():
         # what holds cur_scale, looked up at each use: loading a ZeRO checkpoint replaces the loss_scaler object
         scaler = lambda: optimizer.loss_scale_config if stage0 else optimizer.loss_scaler
@@ -79,7 +92,7 @@ def mend(engine):
             engine.backward = lambda loss, **kwargs: backward(loss * scaler().cur_scale, **kwargs)
     elif stage0 and not engine.bfloat16_enabled():
         def clip_and_keep():  # the engine reads optimizer._global_grad_norm after each step (engine.py)
-            parameters = [p for p in engine.module.parameters() if p.grad is not None]
+            parameters = [p for p in module_parameters if p.grad is not None]
             optimizer._global_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, engine.gradient_clipping()) \
                 if engine.mpu is None else clip_grad_norm_(parameters, engine.gradient_clipping(), mpu=engine.mpu)
 
@@ -92,6 +105,7 @@ def mend(engine):
             torch._foreach_copy_(small_bucket, engine.unflatten(reduced, small_bucket))
 
         engine.allreduce_and_copy = allreduce_and_copy
+    quiet_instrumentation()
     load_checkpoint = engine.load_checkpoint
 
     def load_checkpoint_safely(*args, **kwargs):  # DeepSpeed's checkpoint engine loads with weights_only=False
@@ -102,9 +116,34 @@ def mend(engine):
     if hasattr(optimizer, "_update_model_bit16_weights"):  # ZeRO-1/2's (not ZeRO-3's, nor BF16_Optimizer's)
         repoint_only_when_moved(optimizer)
     if not stage0 and engine.mpu is None and not engine.has_moe_layers:
+        if hasattr(optimizer, "allreduce_and_copy") and optimizer.dp_process_group is not None \
+                and dist.get_world_size(group=optimizer.dp_process_group) == 1:  # ZeRO-1/2 on one rank
+            reduce_nothing_alone(optimizer)
         norm_at_once(optimizer)
         if not engine.zero_optimization_partition_weights() and not optimizer.cpu_offload:
             clip_without_a_read(optimizer)
+
+
+def quiet_instrumentation():
+    """DeepSpeed wraps its engine's and ZeRO-3's per-module functions (fetch, release, reduce: 1,534 calls a step for
+    OPT-125m) in an NVTX range for the profiler's timeline: 6 Python calls each around the work, and on a GPU a push
+    and a pop into CUDA's NVTX library, whether a profiler listens or not. Off, as DeepSpeed turns it off under
+    torch.compile (engine.py); to see the ranges in an Nsight Systems timeline, set
+    deepspeed.utils.nvtx.enable_nvtx = True after mends.mend. ZeRO-3's partitioning prints debug messages through
+    a function that asks the process group for its rank before it looks whether there is anything to print (11,424
+    calls a step): it looks first."""
+    import deepspeed.utils.nvtx
+    from deepspeed.runtime.zero import partition_parameters
+
+    deepspeed.utils.nvtx.enable_nvtx = False
+    print_rank_0 = partition_parameters.print_rank_0
+    if not getattr(print_rank_0, "mended", False):
+        def print_rank_0_when_asked(message, debug=False, force=False):
+            if debug or force:
+                print_rank_0(message, debug, force)
+
+        print_rank_0_when_asked.mended = True
+        partition_parameters.print_rank_0 = print_rank_0_when_asked
 
 
 def repoint_only_when_moved(optimizer):
@@ -126,6 +165,27 @@ def repoint_only_when_moved(optimizer):
                 return original(group_index)
 
     optimizer._update_model_bit16_weights = update_model_bit16_weights
+
+
+def reduce_nothing_alone(optimizer):
+    """ZeRO-1/2 on one rank (zero_config.tuned_values leaves contiguous_gradients off there) reduce the gradients
+    with themselves: each bucket flattened into a new buffer, divided by 1, all-reduced in a group of one, and every
+    gradient copied back out of it (stage_1_and_2.py, allreduce_and_copy: 4 operations a parameter, 784 a step for
+    OPT-125m's 196 tensors). Each gradient already is what that gives (DeepSpeed's pass through a narrower
+    communication_data_type would only round it), so nothing is done; where the reduced gradients also feed the
+    separate fp32 partition buffer (an output_bucket), DeepSpeed's own code runs."""
+    import deepspeed.comm as dist
+
+    original = optimizer.allreduce_and_copy
+
+    def allreduce_and_copy(small_bucket, communication_data_type, rank=None, log=None, divide=True,
+                           process_group=None, output_bucket=None):
+        if any(output is not None for output in output_bucket or ()) or (
+                process_group is not None and dist.get_world_size(group=process_group) != 1):
+            return original(small_bucket, communication_data_type, rank=rank, log=log, divide=divide,
+                            process_group=process_group, output_bucket=output_bucket)
+
+    optimizer.allreduce_and_copy = allreduce_and_copy
 
 
 def norm_at_once(optimizer):

@@ -80,6 +80,14 @@ def param_groups(model, weight_decay):
             {"params": [p for p in trainable if not matrix(p)], "weight_decay": 0.0}]
 
 
+def clip_gradients(optimizer, max_norm):
+    """torch's clip_grad_norm_ over the parameters the optimizer trains (max_norm None or 0: no limit): the gradients'
+    norm before clipping, which DeepSpeed's engine reports too. The optimizer's lists, not model.parameters(), which
+    walks the module tree at every step (1,900 Python calls for OPT-125m's 196 tensors)."""
+    trainable = [p for group in optimizer.param_groups for p in group["params"]]
+    return torch.nn.utils.clip_grad_norm_(trainable, max_norm or math.inf)
+
+
 def cosine_schedule(optimizer, warmup_steps, total_steps):
     """The learning rate rises linearly from 0 over the warmup steps, then falls along half a cosine to 0 at the last
     step: the schedule of transformers' get_cosine_schedule_with_warmup, whose import brings peft and bitsandbytes

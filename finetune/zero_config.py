@@ -171,10 +171,14 @@ def tuned_values(stage, hidden_size, cuda, world_size, layer_params=None):
     its layer (persistent parameters cost a collective each after every step, stage3.py's _post_step); without
     leaves, the HF Trainer's rule from the hidden size (a weight matrix a collective). overlap_comm (which holds the
     buckets twice) pays on GPUs only, where it runs the reductions on a side CUDA stream, and only where there is a
-    reduction to overlap: on one GPU it would only wait for the side stream after every backward."""
+    reduction to overlap: on one GPU it would only wait for the side stream after every backward. ZeRO-1/2's
+    contiguous_gradients copies each gradient into a reduce bucket and again into the rank's gradient partition as
+    autograd makes it (11 operations a parameter): on one rank there is nothing to reduce (mends.reduce_nothing_alone),
+    so the gradients stay where autograd put them, as in single-gpu.py (its memory behaviour too)."""
     square = hidden_size * hidden_size
     bucket = square if stage == 3 else max(square, int(2.5e7))
     values = {"reduce_bucket_size": bucket, "allgather_bucket_size": bucket, "overlap_comm": cuda and world_size > 1,
+              "contiguous_gradients": stage == 3 or world_size > 1,
               "stage3_prefetch_bucket_size": int(0.9 * square), "stage3_param_persistence_threshold": 10 * hidden_size}
     if stage == 3 and layer_params:
         values.update(reduce_bucket_size=min(max(square, layer_params), LARGEST_BUCKET),

@@ -63,10 +63,15 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
                                    **({"--loss-chunk": 0} if stage == 1 else {}), **same})
     argv += ["--gradient-checkpointing"] if checkpointing else []
     argv += ["--report-to", "tensorboard"] if "--eval-every" in same else []
+    if stage == 1:  # gradients reduced where autograd left them (ZeRO-2 here: copied into buckets, auto at 2 ranks)
+        config = json.loads((ROOT / "ds_config_zero2.json").read_text())
+        config["zero_optimization"]["contiguous_gradients"] = False
+        (tmp_path / "ds.json").write_text(json.dumps(config))
+        argv += [f"--deepspeed={tmp_path / 'ds.json'}"]
     env = {}
     if offload == "none" and stage in (2, 3):  # a machine that never built an op: DeepSpeed compiles no optimizer
         env["TORCH_EXTENSIONS_DIR"] = str(fresh_extensions(tmp_path))
-    run = check(launch("forked", ZERO, argv + ["--deepspeed"], env=env))
+    run = check(launch("forked", ZERO, argv if stage == 1 else argv + ["--deepspeed"], env=env))
     if env:
         built = {p.name for p in Path(env["TORCH_EXTENSIONS_DIR"]).iterdir()}
         assert built <= {"deepspeed_shm_comm"}, built  # CPU runs only: DeepSpeed's CPU all-reduce, not an optimizer
