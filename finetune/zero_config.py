@@ -73,8 +73,9 @@ def check(config, path, flags, world_size, model_config):
 
 def shaped(config, path, model, world_size, model_config):
     """What the config takes from the model and the machine: NVMe swap buffers that hold its largest shard, ZeRO-3's
-    transformer layers as leaves, the optimizer nothing has to compile, ZeRO-0's bf16 as torch's autocast
-    (autocast_at_stage0). `model`: flags.Model. The largest layer's parameters (ZeRO-3's buckets), or None."""
+    transformer layers as leaves and torch's linear layers, the optimizer nothing has to compile, ZeRO-0's bf16 as
+    torch's autocast (autocast_at_stage0). `model`: flags.Model. The largest layer's parameters (ZeRO-3's buckets),
+    or None."""
     zero = config["zero_optimization"]
     if zero.get("offload_param", {}).get("device") == "nvme":
         size_swap_buffers(config, path, largest_parameter(model_config), world_size,
@@ -83,6 +84,10 @@ def shaped(config, path, model, world_size, model_config):
     if zero.get("stage") == 3:
         classes, layer_params = zero3_layers(meta_model(model_config), whole_layers=not model.lora_rank)
         zero.setdefault("leaf_module", {"classes": classes})  # the file's own list wins
+        # torch's linear, not DeepSpeed's autograd Function for it: the same tensors saved for backward, but torch binds
+        # that Function's arguments through inspect.signature at every call (6,500 Python calls a step at OPT-125m's
+        # 72 linear layers) and it launches 144 more kernels a step. The file's own choice wins
+        zero.setdefault("memory_efficient_linear", False)
     choose_optimizer(config, torch.cuda.is_available())
     autocast_at_stage0(config, model.precision, zero.get("stage", 0), path)
     return layer_params

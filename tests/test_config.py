@@ -44,6 +44,7 @@ def test_auto_values_come_from_the_flags():
     assert config["zero_optimization"]["reduce_bucket_size"] == layer_params(64) == 49_984
     assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == layer_params(64)
     assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert config["zero_optimization"]["memory_efficient_linear"] is False  # torch's linear: fewer kernels and calls
     # the throughput timer's two syncs a step, off; bf16 steps without a host read of an overflow flag
     assert config["timers"] == {"throughput": {"enabled": False}}
     assert config["bf16"]["check_grad_overflow"] is False and "torch_autocast" not in config
