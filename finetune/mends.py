@@ -45,6 +45,8 @@ def mend(engine):
       parameter), where they already are: repoint_only_when_moved.
     - ZeRO-1/2 on one rank all-reduce the gradients with themselves: reduce_nothing_alone.
     - ZeRO-0 walks the module tree for its parameters at every step, to clip and to drop the gradients: a list, once.
+    - ZeRO-3's step copies the gradients twice and points the shards anew where they already are:
+      zero3_step_in_place.
     - NVTX ranges around DeepSpeed's functions, and ZeRO-3's debug messages: quiet_instrumentation."""
     import deepspeed.comm as dist
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
@@ -115,6 +117,8 @@ def mend(engine):
     engine.load_checkpoint = load_checkpoint_safely
     if hasattr(optimizer, "_update_model_bit16_weights"):  # ZeRO-1/2's (not ZeRO-3's, nor BF16_Optimizer's)
         repoint_only_when_moved(optimizer)
+    if hasattr(optimizer, "_unflatten_partitioned_parameters"):  # ZeRO-3's
+        zero3_step_in_place(optimizer)
     if not stage0 and engine.mpu is None and not engine.has_moe_layers:
         if hasattr(optimizer, "allreduce_and_copy") and optimizer.dp_process_group is not None \
                 and dist.get_world_size(group=optimizer.dp_process_group) == 1:  # ZeRO-1/2 on one rank
@@ -192,6 +196,55 @@ def reduce_nothing_alone(optimizer):
                             process_group=process_group, output_bucket=output_bucket)
 
     optimizer.allreduce_and_copy = allreduce_and_copy
+
+
+def zero3_step_in_place(optimizer):
+    """ZeRO-3's step, per parameter group: the gradient partitions flattened into a new buffer and that converted to
+    fp32 (stage3.py, _prepare_fp32_grad_for_sub_group: a view and a copy a parameter, then a second copy of them
+    all), and after the update each 16-bit shard pointed anew at its slice of the flat buffer the update was just
+    copied into (_unflatten_partitioned_parameters: 3 operations a parameter). The partitions already lie one after
+    the other in DeepSpeed's gradient buffer, and the shards already view their slices: the same fp32 copy is made
+    from that buffer at once, and the shards are left where they are; both compared by address on the host, DeepSpeed's
+    own code where they do not lie so."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    prepare, unflatten = optimizer._prepare_fp32_grad_for_sub_group, optimizer._unflatten_partitioned_parameters
+
+    def prepare_fp32_grad_for_sub_group(sub_group_id):
+        grads, fp32 = optimizer.averaged_gradients[sub_group_id], optimizer.fp32_partitioned_groups_flat[sub_group_id]
+        if span(grads) != fp32.numel():
+            return prepare(sub_group_id)
+        together = grads[0].as_strided((fp32.numel(),), (1,))  # from the first one's place in the gradient buffer
+        fp32.grad = together.to(fp32.dtype, copy=True)  # the flattened copy's values, in one copy
+        if not accelerator.is_synchronized_device() and accelerator.on_accelerator(together):
+            together.record_stream(accelerator.current_stream())  # as DeepSpeed records each of them (one storage)
+        optimizer.averaged_gradients[sub_group_id] = None
+
+    def unflatten_partitioned_parameters(sub_group_id):
+        shards = optimizer.fp16_partitioned_groups[sub_group_id]
+        flat = optimizer.fp16_partitioned_groups_flat[sub_group_id]
+        if span(shards) != flat.numel() or shards[0].data_ptr() != flat.data_ptr() or shards[0].dtype != flat.dtype:
+            return unflatten(sub_group_id)
+
+    optimizer._prepare_fp32_grad_for_sub_group = prepare_fp32_grad_for_sub_group
+    optimizer._unflatten_partitioned_parameters = unflatten_partitioned_parameters
+
+
+def span(tensors):
+    """How many elements `tensors` fill one after the other from the first one's address, all contiguous, in one
+    dtype and one storage, with nothing between them; None where they do not. Read from their addresses on the host
+    (a storage's range holds no other storage: the first and the last one's tell)."""
+    if not tensors or tensors[0] is None:
+        return None
+    first, end = tensors[0], tensors[0].data_ptr()
+    for t in tensors:  # (a loop, not a generator: no Python call a tensor)
+        if t is None or t.data_ptr() != end or not t.is_contiguous() or t.dtype != first.dtype:
+            return None
+        end += t.numel() * t.element_size()
+    if tensors[-1].untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+        return None
+    return (end - first.data_ptr()) // first.element_size()
 
 
 def norm_at_once(optimizer):

@@ -11,7 +11,7 @@ LAYERS = 12  # host_cost.assets' model: OPT-125m's 196 tensors
 # ops a step as a multiple of single-gpu.py's (bf16, one process): what this code reaches, a little above it. The goals
 # (docs/gpu.md): 1.2x at ZeRO-0, 1.5x at ZeRO-1/2, 2x at ZeRO-3; what is left above them is DeepSpeed's own per-
 # parameter bookkeeping (views a parameter: no kernel each), so the kernels' budgets are the tighter ones
-OPS = {"ZeRO-0": 1.01, "ZeRO-1": 1.05, "ZeRO-2": 1.05, "ZeRO-3": 2.4}
+OPS = {"ZeRO-0": 1.01, "ZeRO-1": 1.05, "ZeRO-2": 1.05, "ZeRO-3": 2.0}
 KERNELS = {"ZeRO-0": 1.01, "ZeRO-1": 0.7, "ZeRO-2": 0.7, "ZeRO-3": 1.1}
 # Python calls a step, the same way: the host's interpreter work launches do not count (DeepSpeed's hooks per parameter
 # and per module; ZeRO-3's fetch and release). Before: single-gpu.py 4,494, ZeRO-0 6,638, ZeRO-1/2 5,709 / 8,810 (one
@@ -77,49 +77,78 @@ def test_zero3_gathers_and_reduces_a_layer_at_a_time_on_two_ranks(counted):
     assert zero3["syncs"] == 0 and zero3["reads"] <= 3
 
 
-def test_zero2_points_parameters_anew_only_where_one_has_moved():
-    """mends.repoint_only_when_moved: after a ZeRO-2 step every parameter views its slice of the flat 16-bit buffer,
-    and DeepSpeed's re-pointing at the step's end dispatches nothing (784 operations before, for 196 tensors); a
-    buffer that has moved (as offload_states moves it) still gets its parameters pointed at it."""
-    import os
-
+def tiny_engine(stage, mends):
+    """A mended bf16 engine on a 2-layer OPT, after one backward pass (a process group of one is up)."""
     import deepspeed
     import torch
-    import torch.distributed as dist
     from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
+                                     num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16))
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "wall_clock_breakdown": False,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                                   config=config)
+    mends.mend(engine)
+    ids = torch.arange(8).unsqueeze(0)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    return engine, optimizer
+
+
+def test_zero_steps_leave_weights_in_place_and_copy_gradients_once():
+    """After a step the 16-bit weights view their slices of the flat buffer the update was copied into, and the
+    re-pointing DeepSpeed does anyway dispatches nothing (mends.repoint_only_when_moved, ZeRO-2: 784 operations
+    before for 196 tensors; mends.zero3_step_in_place, ZeRO-3's shards: 588); a buffer that has moved (as
+    offload_states moves it) still gets them pointed at it. ZeRO-3's fp32 gradient partition, made at once from
+    DeepSpeed's gradient buffer, holds what its flatten-then-convert made (bf16 gradients: exactly). Both engines in
+    one process group: DeepSpeed keeps its groups in globals, stale after a group is destroyed and made anew."""
+    import os
+
+    import torch
+    import torch.distributed as dist
 
     from finetune import mends
     from helpers import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    torch.manual_seed(0)
-    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
-                                     num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16))
-    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 2},
-              "wall_clock_breakdown": False}
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                                   config=config)
-    try:
-        mends.mend(engine)
-        ids = torch.arange(8).unsqueeze(0)
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
-        flat = optimizer.bit16_groups_flat[0]
-        views = lambda: all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-                            for p in optimizer.bit16_groups[0])
-        assert views()
+
+    def stays(weights, flat, repoint):
+        on_flat = lambda: all(w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for w in weights)
+        assert on_flat()
         counter = host_cost.HostWork()
         with counter.counting():
-            optimizer._update_model_bit16_weights(0)
+            repoint()
         assert counter.result()["ops"] == 0
-        before = [p.detach().clone() for p in optimizer.bit16_groups[0]]
-        flat.data = flat.data.clone()  # moved: the parameters view the old storage
-        assert not views()
-        optimizer._update_model_bit16_weights(0)
-        assert views() and all(torch.equal(p, b) for p, b in zip(optimizer.bit16_groups[0], before))
+        before = [w.detach().clone() for w in weights]
+        flat.data = flat.data.clone()  # moved: the weights view the old storage
+        assert not on_flat()
+        repoint()
+        assert on_flat() and all(torch.equal(w, b) for w, b in zip(weights, before))
+
+    try:
+        engine, optimizer = tiny_engine(2, mends)
+        engine.step()
+        stays(optimizer.bit16_groups[0], optimizer.bit16_groups_flat[0],
+              lambda: optimizer._update_model_bit16_weights(0))
+
+        engine, optimizer = tiny_engine(3, mends)
+        grads, fp32 = optimizer.averaged_gradients[0], optimizer.fp32_partitioned_groups_flat[0]
+        assert grads[0].dtype == torch.bfloat16 and len(grads) == len(optimizer.fp16_partitioned_groups[0])
+        expected = torch.cat([g.reshape(-1) for g in grads]).float()
+        counter = host_cost.HostWork()
+        with counter.counting():
+            optimizer._prepare_fp32_grad_for_sub_group(0)
+        assert counter.result()["ops"] <= 2  # a view of the buffer, its fp32 copy
+        assert torch.equal(fp32.grad, expected)
+        fp32.grad, optimizer.averaged_gradients[0] = None, grads  # as before, for the step
+        engine.step()
+        stays(optimizer.fp16_partitioned_groups[0], optimizer.fp16_partitioned_groups_flat[0],
+              lambda: optimizer._unflatten_partitioned_parameters(0))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_the_count_sees_a_host_read_a_sync_and_a_collective():
