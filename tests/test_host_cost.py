@@ -133,7 +133,9 @@ def test_zero_steps_leave_weights_in_place_and_copy_gradients_once():
         stays(optimizer.bit16_groups[0], optimizer.bit16_groups_flat[0],
               lambda: optimizer._update_model_bit16_weights(0))
 
-        engine, optimizer = tiny_engine(3, mends)
+        engine, optimizer = tiny_engine(3, mends)  # its forward and backward ran through the mended fetches
+        from deepspeed.runtime.zero import partition_parameters
+        assert partition_parameters.NoGatherCoalescedHandle.wait.mended
         grads, fp32 = optimizer.averaged_gradients[0], optimizer.fp32_partitioned_groups_flat[0]
         assert grads[0].dtype == torch.bfloat16 and len(grads) == len(optimizer.fp16_partitioned_groups[0])
         expected = torch.cat([g.reshape(-1) for g in grads]).float()
@@ -149,6 +151,21 @@ def test_zero_steps_leave_weights_in_place_and_copy_gradients_once():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_zero3_on_one_gpu_waits_at_a_fetch_only_behind_a_copy_from_the_host():
+    """mends.fetch_waits, fed a GPU's facts: one rank's ZeRO-3 fetch of shards already on the GPU waits for nothing
+    (DeepSpeed drained the CUDA stream at every layer's fetch: 16 device syncs a step on the H100 at OPT-125m's
+    shape); a shard on the CPU (parameter offload) is still copied over, and waited for; a CPU never waits."""
+    import torch
+
+    from finetune import mends
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert not mends.fetch_waits([gpu, torch.device("cuda:0")], torch.device("cuda:0"), False)
+    assert mends.fetch_waits([gpu, cpu], torch.device("cuda:0"), False)
+    assert mends.fetch_waits([cpu], torch.device("cuda:0"), False)
+    assert not mends.fetch_waits([cpu], cpu, True)
 
 
 def test_the_count_sees_a_host_read_a_sync_and_a_collective():
