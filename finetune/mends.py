@@ -244,12 +244,8 @@ def fetch_alone_without_waiting():
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero import partition_parameters as zp
 
-    for handle, params in ((zp.NoGatherHandle, "_NoGatherHandle__param"),
-                           (zp.NoGatherCoalescedHandle, "_NoGatherCoalescedHandle__params")):
-        if getattr(handle.wait, "mended", False):
-            continue
-
-        def wait(self, original=handle.wait, params=params, complete=f"_{handle.__name__}__complete", **kwargs):
+    def waiting_only_behind_a_copy(original, params, complete):  # the handle's wait; its private attributes' names
+        def wait(self, **kwargs):
             fetched = getattr(self, params)
             fetched = fetched if isinstance(fetched, list) else [fetched]
             accelerator = get_accelerator()
@@ -263,7 +259,12 @@ def fetch_alone_without_waiting():
             setattr(self, complete, True)
 
         wait.mended = True
-        handle.wait = wait
+        return wait
+
+    for handle, params in ((zp.NoGatherHandle, "_NoGatherHandle__param"),
+                           (zp.NoGatherCoalescedHandle, "_NoGatherCoalescedHandle__params")):
+        if not getattr(handle.wait, "mended", False):
+            handle.wait = waiting_only_behind_a_copy(handle.wait, params, f"_{handle.__name__}__complete")
 
 
 def fetch_waits(shard_devices, device, resolves_data_dependency):
