@@ -308,8 +308,11 @@ def test_a_files_own_precision_choice_at_zero0_is_kept_or_named(tmp_path):
 
 @pytest.mark.parametrize("cuda, ranks, overlap", [(True, 2, True), (True, 1, False), (False, 2, False)])
 def test_overlap_comm_only_where_a_reduction_can_overlap(cuda, ranks, overlap):
-    """overlap_comm runs the reductions on a side CUDA stream: on one GPU there is nothing to overlap, only a wait."""
+    """overlap_comm runs the reductions on a side CUDA stream: on one GPU there is nothing to overlap, only a wait.
+    ZeRO-1/2 copy the gradients into contiguous buckets only where there is something to reduce (ZeRO-3: always)."""
     assert zero_config.tuned_values(2, 768, cuda, ranks)["overlap_comm"] is overlap
+    for stage in (1, 2, 3):
+        assert zero_config.tuned_values(stage, 768, cuda, ranks)["contiguous_gradients"] is (ranks > 1 or stage == 3)
 
 
 def test_zero3_layers_are_leaves_sized_from_the_model():
