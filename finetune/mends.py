@@ -65,7 +65,7 @@ def mend(engine):
                 master.data.copy_(weight.data)  # as before that zero-gradient step's weight decay
     # the module's parameters, once: engine.py walks the module tree for them at every step (1,900 Python calls for
     # OPT-125m's 196 tensors), to clip and then to set each gradient to None
-    module_parameters = list(engine.module.parameters())
+    module_parameters = list(engine.module.parameters()) if stage0 else []
     if stage0 and not engine.fp16_enabled() and not engine.bfloat16_enabled():  # engine.zero_grad's callers
         def zero_grad():
             for param in module_parameters:
@@ -125,9 +125,9 @@ def mend(engine):
         fetch_alone_without_waiting()
         keep_parameter_lists()
     if not stage0 and engine.mpu is None and not engine.has_moe_layers:
-        if hasattr(optimizer, "allreduce_and_copy") and optimizer.dp_process_group is not None \
-                and dist.get_world_size(group=optimizer.dp_process_group) == 1:  # ZeRO-1/2 on one rank
-            reduce_nothing_alone(optimizer)
+        if not engine.zero_optimization_partition_weights() and optimizer.dp_process_group is not None \
+                and dist.get_world_size(group=optimizer.dp_process_group) == 1:  # ZeRO-1/2 on one rank (ZeRO-3's
+            reduce_nothing_alone(optimizer)  # allreduce_and_copy is another function, with other arguments)
         norm_at_once(optimizer)
         if not engine.zero_optimization_partition_weights() and not optimizer.cpu_offload:
             clip_without_a_read(optimizer)
