@@ -169,7 +169,8 @@ def init_distributed(dist_timeout, output_dir):
     timer.daemon = True
     timer.start()
     try:
-        deepspeed.init_distributed(timeout=timeout)
+        deepspeed.init_distributed(timeout=timeout, init_method=launch_rendezvous(launch_token(os.environ,
+                                                                                               launcher_pid())))
     except RuntimeError as e:  # refused or reset: the other side gave up, or offered an address nobody can reach
         port = os.environ.get("MASTER_PORT")
         if port_taken(str(e)):  # rank 0 could not listen: not the network, another process here holds the port
@@ -178,6 +179,65 @@ def init_distributed(dist_timeout, output_dir):
     finally:
         timer.cancel()
     return timeout
+
+
+def launch_token(environ, launcher):
+    """What every rank of this launch shares and no other launch's ranks do, or None where nothing is known to all:
+    the rendezvous keys go under it (launch_rendezvous). A second launch given a port the first holds has a rank 0
+    that cannot listen (taken_line) and other ranks that reach the first launch's store: under their own token they
+    meet no one there, instead of taking a place in the first launch's group as it forms (which broke that healthy
+    run). srun's tasks share their job and step; the ranks of a one-host deepspeed launch share their launcher process
+    (deepspeed.launcher.launch: `launcher`, its pid, or None where no ancestor runs it). Every rank of a
+    launch must find the same, so nothing here reads what differs by rank. None: a world of one; torchrun's ranks,
+    which meet in their agent's store (torchrun refuses a taken port itself); a deepspeed launch over several hosts
+    (each host has its own launcher process; job/slurm.sbatch gives each job its own port)."""
+    world = environ.get("WORLD_SIZE", "1")
+    if int(world) <= 1 or environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    if environ.get("SLURM_STEP_NUM_TASKS") == world and environ.get("SLURM_JOB_ID") and environ.get("SLURM_STEP_ID"):
+        return f"slurm-{environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}"
+    if environ.get("LOCAL_SIZE") == world and launcher:  # deepspeed's launch.py sets LOCAL_SIZE: its ranks here
+        return f"deepspeed-{launcher}"
+    return None
+
+
+def launcher_pid():
+    """The pid of the nearest ancestor of this process that runs deepspeed's per-host launcher, or None."""
+    import psutil
+
+    try:
+        return next((p.pid for p in psutil.Process().parents() if "deepspeed.launcher.launch" in p.cmdline()), None)
+    except psutil.Error:
+        return None
+
+
+RENDEZVOUS = "finetune-launch"
+
+
+def launch_rendezvous(token):
+    """The init_method that puts a launch's rendezvous under its token, or None (torch's env://) without one: torch's
+    own env:// rendezvous (the same store on MASTER_ADDR:MASTER_PORT, rank 0 listening) with a prefix on every key the
+    process group, DeepSpeed's groups and the hang reports write."""
+    if token is None:
+        return None
+    from torch.distributed import register_rendezvous_handler
+
+    try:
+        register_rendezvous_handler(RENDEZVOUS, token_rendezvous)
+    except RuntimeError:  # registered by an earlier group of this process (the tests start several in one)
+        pass
+    return f"{RENDEZVOUS}://?launch={token}"
+
+
+def token_rendezvous(url, timeout, **kwargs):
+    from urllib.parse import parse_qs, urlparse
+
+    import torch.distributed as dist
+
+    token = parse_qs(urlparse(url).query)["launch"][0]
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    yield dist.PrefixStore(f"{token}/", store), rank, world_size
+    raise RuntimeError("a launch's rendezvous cannot be repeated: restart the launch")  # as env:// says
 
 
 def port_taken(error):

@@ -133,6 +133,38 @@ def mend(engine):
             clip_without_a_read(optimizer)
 
 
+MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
+
+
+def muon_only_when_named(optimizer_type):
+    """DeepSpeed imports its Muon optimizer wherever it asks whether the optimizer is Muon: the engine's check of a
+    ZeRO optimizer, the bf16 and ZeRO-3 optimizers' set-up, ZeRO-1/2's first gradient reduction and a padded
+    partition's copy. The import wraps Muon's kernels in torch.compile, which loads the compiler: 0.8 s of every
+    rank's start on a CPU, for a run that names another optimizer (the files name AdamW). There, stand-ins answer
+    DeepSpeed the same way: nothing is an instance of their MuonWithAuxAdam, and their muon_update, reached only by
+    a Muon parameter group, says so if it ever were. A config whose optimizer is Muon gets DeepSpeed's own."""
+    import sys
+    import types
+
+    stand_ins = [sys.modules.get(name) for name in MUON_MODULES]
+    if optimizer_type.lower() == "muon":
+        for name, module in zip(MUON_MODULES, stand_ins):
+            if getattr(module, "stand_in", False):
+                del sys.modules[name]
+        return
+    if any(module is not None for module in stand_ins):  # imported already, or stood in for: nothing to save
+        return
+
+    def muon_update(*args, **kwargs):
+        raise RuntimeError("a Muon update in a run whose config names another optimizer (mends.muon_only_when_named)")
+
+    optimizer, original = types.ModuleType(MUON_MODULES[0]), types.ModuleType(MUON_MODULES[1])
+    optimizer.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})  # (never instantiated: no optimizer named it)
+    original.muon_update = muon_update
+    optimizer.stand_in = original.stand_in = True
+    sys.modules.update(zip(MUON_MODULES, (optimizer, original)))
+
+
 def quiet_instrumentation():
     """DeepSpeed wraps its engine's and ZeRO-3's per-module functions (fetch, release, reduce: 1,534 calls a step for
     OPT-125m) in an NVTX range for the profiler's timeline: 6 Python calls each around the work, and on a GPU a push

@@ -30,6 +30,7 @@ def deepspeed_config(flags, world_size, total_steps, warmup_steps, model_config)
     check(config, path, flags, world_size, model_config)
     layer_params = shaped(config, path, flags.model, world_size, model_config)
     fill(config, path, flag_values(config, flags, world_size, total_steps, warmup_steps, model_config, layer_params))
+    mends.muon_only_when_named(config.get("optimizer", {}).get("type", ""))  # before the engine imports it
     return config
 
 

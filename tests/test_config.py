@@ -333,3 +333,25 @@ def test_another_deepspeed_is_refused_in_one_line():
     with pytest.raises(SystemExit, match="mends DeepSpeed 0.19.8 and this is DeepSpeed 0.20.0: install "
                                          "deepspeed==0.19.8"):
         mends.check_version("0.20.0")
+
+
+def test_deepspeeds_muon_loads_only_for_a_config_that_names_it(monkeypatch):
+    """DeepSpeed imports its Muon optimizer wherever it asks whether the optimizer is Muon, and the import loads the
+    compiler (0.8 s of each rank's start on a CPU). A config naming AdamW gets stand-ins that answer the same (no
+    optimizer is their MuonWithAuxAdam; their update is never reached, and says so); one naming Muon gets DeepSpeed's."""
+    import sys
+
+    import torch
+
+    from finetune import mends
+    for name in mends.MUON_MODULES:  # as in a process that has not imported them (restored after the test)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    mends.muon_only_when_named("AdamW")
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    assert not isinstance(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), MuonWithAuxAdam)
+    with pytest.raises(RuntimeError, match="names another optimizer"):
+        muon_update(torch.ones(2, 2), torch.zeros(2, 2))
+    mends.muon_only_when_named("Muon")
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam as Muon
+    assert issubclass(Muon, torch.optim.Optimizer) and Muon.__module__ == mends.MUON_MODULES[0]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from finetune import distributed
-from helpers import ROOT, assert_close_losses, check, free_port, launch, long_run, results
+from helpers import ROOT, TEST_HOOKS, assert_close_losses, check, free_port, launch, long_run, results
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
@@ -313,3 +313,56 @@ def test_offload_preflight_on_this_machine():
     run = subprocess.run([sys.executable, str(ROOT / "job" / "preflight.py"), "--offload", "cpu"], capture_output=True,
                          text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert run.returncode == 0 and "--offload cpu: everything DeepSpeed needs is here" in run.stdout, run.stdout
+
+
+def test_a_second_launch_on_a_taken_port_is_named_and_leaves_the_first_undisturbed(tiny, tmp_path, uninterrupted):
+    """Two deepspeed launches on one machine and one port (the launcher's default, 29500, where a user gives none).
+    The first forms its group slowly (its rank 1 joins once the second has ended); the second's rank 1 reaches the
+    first's store while it forms (its rank 0 joins 3 s late). The second ends in one line naming the port and the
+    first's rank 0, which holds it; the first trains to the uninterrupted run's losses. Before, the second's rank 1
+    took rank 1's place in the first's group, and the first run failed with it (distributed.launch_token)."""
+    port, gate = free_port(), tmp_path / "second-ended"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": TEST_HOOKS}
+    deepspeed = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+                 "zero-optimization.py"]
+    first = subprocess.Popen(deepspeed + long_run(tiny, tmp_path / "first"), cwd=ROOT, text=True,
+                             env={**env, "FINETUNE_TEST_JOIN": f"1:{gate}"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while distributed.port_holder(port) is None and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)  # the first's rank 0 listens: its store is open
+        holder = distributed.port_holder(port)
+        assert holder and "--local_rank=0" in holder, (holder, first.poll())
+        second = subprocess.run(deepspeed + long_run(tiny, tmp_path / "second"), cwd=ROOT, text=True, timeout=120,
+                                env={**env, "FINETUNE_TEST_JOIN": "0:3"}, capture_output=True)
+        gate.touch()
+        log = first.communicate(timeout=300)[0]
+    finally:
+        gate.touch()
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, log[-3000:]
+    assert_close_losses(results(uninterrupted)["losses"], results(tmp_path / "first")["losses"])
+    lines = [x for x in (second.stdout + second.stderr).splitlines() if x.startswith("error: ")]
+    assert second.returncode != 0 and len(lines) == 1, second.stdout[-3000:] + second.stderr[-3000:]
+    assert lines[0].startswith(f"error: port {port} on {os.uname().nodename} is taken by another process "
+                               f"({holder[:40]}"), lines[0]
+    assert not (tmp_path / "second" / "results.json").exists()
+
+
+@pytest.mark.parametrize("facts, launcher, token", [
+    ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, 4021, "deepspeed-4021"),  # deepspeed, one host
+    ({"WORLD_SIZE": "4", "LOCAL_SIZE": "2"}, 4021, None),  # deepspeed over two hosts: a launcher on each
+    ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"},
+     4021, "deepspeed-4021"),  # job/slurm.sbatch: srun starts the deepspeed launcher on the first node
+    ({"WORLD_SIZE": "4", "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "4"}, None, "slurm-77.3"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none"}, None, None),  # torchrun: its agent
+    ({"WORLD_SIZE": "1", "LOCAL_SIZE": "1"}, 4021, None),  # a world of one meets no one
+    ({"WORLD_SIZE": "2", "LOCAL_SIZE": "2"}, None, None),  # a launcher that is not deepspeed's
+])
+def test_a_launch_token_is_the_same_on_every_rank_of_a_launch(facts, launcher, token):
+    """Each rank of a launch finds the same token (or none): they differ in RANK and LOCAL_RANK only."""
+    found = {distributed.launch_token({**facts, "RANK": str(r), "LOCAL_RANK": str(r % 2)}, launcher)
+             for r in range(int(facts["WORLD_SIZE"]))}
+    assert found == {token}

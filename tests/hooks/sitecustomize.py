@@ -6,10 +6,13 @@ FINETUNE_TEST_HOLD=N: a run that starts afresh waits after step N until a signal
     so that a signal sent through a scheduler's queues (seconds on a busy machine) finds the tiny run training.
 FINETUNE_TEST_STALL=rank:step[,rank:step:freeze]: each such rank stops after that step (hangs.Watchdog.beat): it
     sleeps (its watchdog reports), or it freezes (SIGSTOP, as a frozen node: nothing of it reports).
+FINETUNE_TEST_JOIN=rank:seconds or rank:path: that rank joins the process group late, after the seconds or once the
+    file exists, so that another launch's ranks reach this one's store while it forms (distributed.launch_token).
 """
 import os
 
 HOLD, STALL = os.environ.get("FINETUNE_TEST_HOLD"), os.environ.get("FINETUNE_TEST_STALL")
+JOIN = os.environ.get("FINETUNE_TEST_JOIN")
 
 
 def hold_after(step):
@@ -54,7 +57,29 @@ def stall(plan):
     hangs.Watchdog.beat = beat
 
 
+def join_late(plan):
+    import time
+    from pathlib import Path
+
+    from finetune import distributed
+
+    rank, when = plan.split(":", 1)
+    joins = distributed.init_distributed
+
+    def init(*args, **kwargs):
+        if os.environ.get("RANK") == rank:
+            if when.replace(".", "").isdigit():
+                time.sleep(float(when))
+            while not when.replace(".", "").isdigit() and not Path(when).exists():
+                time.sleep(0.1)
+        return joins(*args, **kwargs)
+
+    distributed.init_distributed = init
+
+
 if HOLD:
     hold_after(int(HOLD))
 if STALL:
     stall(STALL)
+if JOIN:
+    join_late(JOIN)
