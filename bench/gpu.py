@@ -7,9 +7,11 @@ Parts, each its own process with its own deadline (a slow part is a row that say
 cannot finish before the whole budget is skipped), in ORDER's order: at OPT-125m's shape, 16 x 512 tokens, bf16:
 single-gpu.py, zero-optimization.py at ZeRO-2 and 3, the HF Trainer's run_clm recipe at ZeRO-2 (bench/peers.py),
 ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU), and with SDPA and the documents' mask at both shapes
-(--attention sdpa, against the varlen kernel auto picks); single-gpu.py on chats, eager and --compile, and on reviews
+(--attention sdpa, against the varlen kernel auto picks), and with --packing stream (no documents kept apart: the
+goal is isolated packing at 0.97x its tok/s or more); single-gpu.py on chats, eager and --compile, and on reviews
 --compile (TORCH_LOGS=recompiles,graph_breaks in their output.log); then the engine at the 1B shape and ZeRO-3 + CPU
-offload. Each a plain `python` process: a world of one.
+offload. Each a plain `python` process: a world of one. Before them, attention alone (bench/attention.py: its own
+table, ATTENTION.md beside GPU.md).
 
 Columns: useful tokens/s after the warm-up (the first log interval) and its ratio to single-gpu.py's and the
 Trainer's; MFU; peak memory allocated beside plan.py's planned peak for the run; per step the kernel launches and
@@ -39,6 +41,7 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
     "HF Trainer, run_clm, ZeRO-2": ("bench/peers.py", ["--recipe=run_clm", "--deepspeed"], None, "reviews", 1),
     "ZeRO-0": ("zero-optimization.py", ["--zero-stage=0", "--deepspeed=ds_config_zero2.json"], "ZeRO-0", "reviews", 1),
     "single-gpu.py, SDPA with the mask": ("single-gpu.py", ["--attention=sdpa"], "ZeRO-0", "reviews", 1),
+    "single-gpu.py, stream packing": ("single-gpu.py", ["--packing=stream"], "ZeRO-0", "reviews", 1),
     "single-gpu.py, chats": ("single-gpu.py", [], "ZeRO-0", "questions", 1),
     "single-gpu.py, chats, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "questions", 2),
     "single-gpu.py, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "reviews", 2),
@@ -50,7 +53,7 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
 # Trainer, the 1B shape's MFU, compile on chats and reviews, then the rest at the 1B shape
 ORDER = [*(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
          ("llama-3.2-1b", "single-gpu.py"), ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
-         ("opt-125m", "single-gpu.py, SDPA with the mask"),
+         ("opt-125m", "single-gpu.py, SDPA with the mask"), ("opt-125m", "single-gpu.py, stream packing"),
          *(("opt-125m", r) for r in ("single-gpu.py, chats", "single-gpu.py, chats, --compile",
                                      "single-gpu.py, --compile")),
          *(("llama-3.2-1b", r) for r in ("ZeRO-2", "HF Trainer, run_clm, ZeRO-2", "ZeRO-3", "ZeRO-0")),
@@ -59,6 +62,7 @@ ORDER = [*(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Tr
 # inside the first log interval, which the steady figures leave out
 SHAPES = {"opt-125m": (16, 512, 40, 10, 50), "llama-3.2-1b": (16, 512, 20, 10, 75)}
 DRY = {"demo": (4, 64, 12, 10, 60)}
+ATTENTION_S = 60  # seconds bench/attention.py may take: 4 shapes x 4 kernels x 23 passes of a few ms
 
 
 def parts(shapes):
@@ -151,6 +155,11 @@ def main(argv=None):
     out, began = Path(args.out), time.monotonic()
     device = torch.cuda.get_device_name() if not args.dry else f"CPU ({os.cpu_count()} cores), dry run"
     rows = []
+    if not args.runs or "attention" in args.runs:  # attention alone first, its own table (bench/attention.py)
+        code, _ = run_part([sys.executable, "bench/attention.py", f"--out={out}", *(["--dry"] if args.dry else [])],
+                           out / "runs" / "attention", ATTENTION_S)
+        print(f"attention alone: {out / 'ATTENTION.md'}" if code == 0 else
+              f"attention alone: {'over its deadline' if code is None else 'failed'}, see {out}/runs/attention")
     for shape, name in parts(args.shapes or (DRY if args.dry else SHAPES)):
         if args.runs and name not in args.runs:
             continue

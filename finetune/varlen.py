@@ -112,3 +112,16 @@ def register(kernel=None, name=NAME):
 
     AttentionInterface.register(name, attention(kernel or torch_kernel()))
     return name
+
+
+def documents_apart(q, k, v, cu, scale=None, left=-1, gqa=False):
+    """The reference the kernels are held to (tests/test_varlen.py, bench/attention.py): SDPA on each document
+    [cu[i], cu[i+1]) of (tokens, heads, head size) apart, causal, within `left` tokens back where left >= 0."""
+    outs = []
+    for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
+        at = torch.arange(b - a, device=q.device)
+        mask = (at[:, None] >= at[None, :]) & ((at[:, None] - at[None, :] <= left) if left >= 0 else True)
+        qi, ki, vi = (x[a:b].transpose(0, 1) for x in (q, k, v))
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                                                     enable_gqa=gqa).transpose(0, 1))
+    return torch.cat(outs)

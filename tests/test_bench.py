@@ -74,3 +74,20 @@ def test_the_gpu_benchmarks_dry_run_has_its_columns_its_ratios_and_its_deadlines
     skipped = gpu.main(["--dry", "--runs", "ZeRO-2", "--budget", "5", "--out", str(tmp_path / "none")])
     assert skipped[0]["status"] == "skipped: no time left in the budget"
     assert not (tmp_path / "none" / "runs").exists()
+
+
+def test_the_attention_benchmark_holds_each_kernel_to_the_documents_run_apart(tmp_path):
+    """bench/attention.py --dry (bench/gpu.py runs it first): each way of keeping packed documents apart gives each
+    document run alone (SDPA with the block-diagonal mask; the varlen function as the model calls it, over a CPU
+    kernel of torch's signature); SDPA causal keeps none apart, timed beside them; flash-attn, absent, is a row."""
+    from test_varlen import window_form
+
+    attention = load_script("bench/attention.py")
+    rows = {r["attention"]: r for r in attention.main(["--dry", "--repeats", "2", "--out", str(tmp_path)],
+                                                      torch_kernel=window_form)}
+    masked, through, causal = rows[attention.MASKED], rows[attention.VARLEN], rows[attention.CAUSAL]
+    assert masked["documents"] > 2 and masked["difference"] < 1e-5 and through["difference"] < 1e-5
+    assert causal["difference"] is None and causal["x_causal"] == 1 and masked["ms"] > 0 and through["ms"] > 0
+    assert rows[attention.FLASH]["status"] == "not installed"
+    table = (tmp_path / "ATTENTION.md").read_text().splitlines()
+    assert len(table) == 4 + 4 and "| tiny, GQA | 2 x 128 |" in table[4] and table[4].endswith("| ok |")

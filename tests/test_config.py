@@ -338,7 +338,8 @@ def test_another_deepspeed_is_refused_in_one_line():
 def test_deepspeeds_muon_loads_only_for_a_config_that_names_it(monkeypatch):
     """DeepSpeed imports its Muon optimizer wherever it asks whether the optimizer is Muon, and the import loads the
     compiler (0.8 s of each rank's start on a CPU). A config naming AdamW gets stand-ins that answer the same (no
-    optimizer is their MuonWithAuxAdam; their update is never reached, and says so); one naming Muon gets DeepSpeed's."""
+    optimizer is their MuonWithAuxAdam; their update is never reached, and says so); one naming Muon gets
+    DeepSpeed's."""
     import sys
 
     import torch

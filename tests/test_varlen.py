@@ -13,31 +13,19 @@ from helpers import FAMILIES, SIZES, base_args, build, data_args, documents_of, 
 from test_hardware import A100, CPU, H100, T4
 
 
-def each_document(q, k, v, cu, scale=None, left=-1, gqa=False):
-    """SDPA on each document [cu[i], cu[i+1]) apart, causal, within `left` tokens back where left >= 0."""
-    outs = []
-    for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:]):
-        at = torch.arange(b - a)
-        mask = (at[:, None] >= at[None, :]) & ((at[:, None] - at[None, :] <= left) if left >= 0 else True)
-        qi, ki, vi = (x[a:b].transpose(0, 1) for x in (q, k, v))
-        outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
-                                                                     enable_gqa=gqa).transpose(0, 1))
-    return torch.cat(outs)
-
-
 def window_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """torch 2.12 on: causal is window_size (-1, 0)."""
     assert window_size[1] == 0 and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
     assert query.dtype == key.dtype == value.dtype  # FlashAttention takes one dtype
-    return each_document(query, key, value, cu_seq_q, scale, window_size[0], enable_gqa)
+    return varlen.documents_apart(query, key, value, cu_seq_q, scale, window_size[0], enable_gqa)
 
 
 def causal_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
     """torch 2.10/2.11: is_causal, the default scale, one head count."""
     assert is_causal and key.shape[1] == query.shape[1] and torch.equal(cu_seq_q, cu_seq_k)
     assert query.dtype == key.dtype == value.dtype
-    return each_document(query, key, value, cu_seq_q)
+    return varlen.documents_apart(query, key, value, cu_seq_q)
 
 
 def test_torch_varlen_is_chosen_from_the_gpu_torchs_form_and_the_models_facts():
