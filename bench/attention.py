@@ -15,7 +15,6 @@ Llama-3.2-1B's (32 queries, 8 keys and values, 64 wide); documents of 32 to half
 """
 import argparse
 import itertools
-import os
 import statistics
 import sys
 import time
@@ -26,7 +25,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 from finetune import varlen  # noqa: E402
+from gpu import keep  # noqa: E402
 
 SHAPES, HEADS = [(16, 512), (8, 2048)], {"OPT-125m": (12, 12, 64), "Llama-3.2-1B": (32, 8, 64)}
 DRY_SHAPES, DRY_HEADS = [(2, 128)], {"tiny, GQA": (4, 2, 16)}
@@ -135,13 +136,8 @@ def main(argv=None, torch_kernel=None):
         causal = rows[-1].get("ms")
         for row in rows[-len(found):]:
             row["x_causal"] = causal / row["ms"] if row.get("ms") and causal else None
-    table = report(rows, torch.cuda.get_device_name() if not args.dry else "CPU, dry run", dtype)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ATTENTION.md").write_text(table + "\n")
-    if os.environ.get("OUT"):  # the device tool brings back what is under $OUT
-        Path(os.environ["OUT"], "ATTENTION.md").write_text(table + "\n")
-    print(table)
+    keep(report(rows, torch.cuda.get_device_name() if not args.dry else "CPU, dry run", dtype),
+         Path(args.out) / "ATTENTION.md")
     return rows
 
 

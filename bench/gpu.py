@@ -183,13 +183,17 @@ def main(argv=None):
                    planned=planned_peak(model, option, shape, args.dry), loss=r["losses"][-1])
         row["launches"], row["syncs"] = profiled(folder)
         row["mfu"] = r.get("mfu")  # ours: over the steady intervals, against the card's peak (progress.RunStats)
-    table = report(rows, f"{device}, {'fp32' if args.dry else 'bf16'}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "GPU.md").write_text(table + "\n")
-    if os.environ.get("OUT"):  # the device tool brings back what is under $OUT
-        Path(os.environ["OUT"], "GPU.md").write_text(table + "\n")
-    print(table)
+    keep(report(rows, f"{device}, {'fp32' if args.dry else 'bf16'}"), out / "GPU.md")
     return rows
+
+
+def keep(table, path):
+    """The table to path, to $OUT beside it where set (the device tool brings back what is under $OUT), and out."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(table + "\n")
+    print(table)
 
 
 def report(rows, device):
