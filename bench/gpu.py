@@ -6,12 +6,12 @@
 Parts, each its own process with its own deadline (a slow part is a row that says so and the rest go on; a part that
 cannot finish before the whole budget is skipped), in ORDER's order: at OPT-125m's shape, 16 x 512 tokens, bf16:
 single-gpu.py, zero-optimization.py at ZeRO-2 and 3, the HF Trainer's run_clm recipe at ZeRO-2 (bench/peers.py),
-ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU), and with SDPA and the documents' mask at both shapes
-(--attention sdpa, against the varlen kernel auto picks), and with --packing stream (no documents kept apart: the
-goal is isolated packing at 0.97x its tok/s or more); single-gpu.py on chats, eager and --compile, and on reviews
---compile (TORCH_LOGS=recompiles,graph_breaks in their output.log); then the engine at the 1B shape and ZeRO-3 + CPU
-offload. Each a plain `python` process: a world of one. Before them, attention alone (bench/attention.py: its own
-table, ATTENTION.md beside GPU.md).
+ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU; also in 4 x 2048-token blocks), and with SDPA and the
+documents' mask at both shapes (--attention sdpa, against the varlen kernel auto picks), and with --packing stream
+(no documents kept apart: the goal is isolated packing at 0.97x its tok/s or more); single-gpu.py on chats, eager
+and --compile, and on reviews --compile (TORCH_LOGS=recompiles,graph_breaks in their output.log); then the engine at
+the 1B shape and ZeRO-3 + CPU offload. Each a plain `python` process: a world of one. Before them, attention alone
+(bench/attention.py: its own table, ATTENTION.md beside GPU.md).
 
 Columns: useful tokens/s after the warm-up (the first log interval) and its ratio to single-gpu.py's and the
 Trainer's; MFU; peak memory allocated beside plan.py's planned peak for the run; per step the kernel launches and
@@ -42,6 +42,7 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
     "ZeRO-0": ("zero-optimization.py", ["--zero-stage=0", "--deepspeed=ds_config_zero2.json"], "ZeRO-0", "reviews", 1),
     "single-gpu.py, SDPA with the mask": ("single-gpu.py", ["--attention=sdpa"], "ZeRO-0", "reviews", 1),
     "single-gpu.py, stream packing": ("single-gpu.py", ["--packing=stream"], "ZeRO-0", "reviews", 1),
+    "single-gpu.py, blocks 4x as long": ("single-gpu.py", [], "ZeRO-0", "reviews", 1),  # the same tokens a step
     "single-gpu.py, chats": ("single-gpu.py", [], "ZeRO-0", "questions", 1),
     "single-gpu.py, chats, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "questions", 2),
     "single-gpu.py, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "reviews", 2),
@@ -52,7 +53,8 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
 # (shape, run) in the order the goals need them, should the budget run out: the engine against single-gpu.py and the
 # Trainer, the 1B shape's MFU, compile on chats and reviews, then the rest at the 1B shape
 ORDER = [*(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
-         ("llama-3.2-1b", "single-gpu.py"), ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
+         ("llama-3.2-1b", "single-gpu.py"), ("llama-3.2-1b", "single-gpu.py, blocks 4x as long"),
+         ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
          ("opt-125m", "single-gpu.py, SDPA with the mask"), ("opt-125m", "single-gpu.py, stream packing"),
          *(("opt-125m", r) for r in ("single-gpu.py, chats", "single-gpu.py, chats, --compile",
                                      "single-gpu.py, --compile")),
@@ -72,8 +74,14 @@ def parts(shapes):
     return [(shape, name) for shape, name in ORDER if shape in shapes]
 
 
-def command(shape, script, extra, folder, model, dataset, dry):
-    batch, block, steps, log_every, _ = (DRY if dry else SHAPES)[shape]
+def sizes(shape, name, dry):
+    """(sequences a step, block) of a run at a shape: a run with blocks 4x as long has a quarter of the sequences."""
+    batch, block = (DRY if dry else SHAPES)[shape][:2]
+    return (batch // 4, block * 4) if "4x as long" in name else (batch, block)
+
+
+def command(shape, name, script, extra, folder, model, dataset, dry):
+    (batch, block), (steps, log_every) = sizes(shape, name, dry), (DRY if dry else SHAPES)[shape][2:4]
     if script == "bench/peers.py":
         flags = [f"--model={model}", f"--dataset={dataset}", f"--block-size={block}", f"--batch-size={batch}",
                  f"--steps={steps}", f"--warmup-steps={log_every}", f"--precision={'fp32' if dry else 'bf16'}",
@@ -123,12 +131,12 @@ def profiled(folder):
     return sum(events.get(k, 0) for k in LAUNCHES), sum(events.get(k, 0) for k in SYNCS)
 
 
-def planned_peak(model, option, shape, dry):
+def planned_peak(model, option, shape, name, dry):
     """plan.py's peak per GPU for this run (bytes), or None for the Trainer's."""
     import plan
     if option is None:
         return None
-    batch, block = (DRY if dry else SHAPES)[shape][:2]
+    batch, block = sizes(shape, name, dry)
     args = argparse.Namespace(model=str(model), gpus=1, nodes=1, gpu_memory=80, cpu_memory=None,
                               precision="fp32" if dry else "bf16", batch_size=batch, block_size=block,
                               gradient_checkpointing=False, sequence_parallel=1, loss_chunk=1024, lora_rank=0,
@@ -172,7 +180,7 @@ def main(argv=None):
             continue
         model = model_folder(shape, out)
         folder = out / "runs" / f"{shape}-{''.join(c if c.isalnum() else '_' for c in name)}"
-        code, seconds = run_part(command(shape, script, extra, folder, model, demo.assets()[data], args.dry),
+        code, seconds = run_part(command(shape, name, script, extra, folder, model, demo.assets()[data], args.dry),
                                  folder, deadline)
         if code is None or code:
             tail = (folder / "output.log").read_text().strip().splitlines()[-1:] or ["?"]
@@ -180,7 +188,7 @@ def main(argv=None):
             continue
         r = json.loads((folder / "results.json").read_text())
         row.update(status="ok", seconds=seconds, tok_s=steady_tokens_per_sec(r), peak=r["peak_memory_bytes"],
-                   planned=planned_peak(model, option, shape, args.dry), loss=r["losses"][-1])
+                   planned=planned_peak(model, option, shape, name, args.dry), loss=r["losses"][-1])
         row["launches"], row["syncs"] = profiled(folder)
         row["mfu"] = r.get("mfu")  # ours: over the steady intervals, against the card's peak (progress.RunStats)
     keep(report(rows, f"{device}, {'fp32' if args.dry else 'bf16'}"), out / "GPU.md")
