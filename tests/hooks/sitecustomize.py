@@ -64,13 +64,12 @@ def join_late(plan):
     from finetune import distributed
 
     rank, when = plan.split(":", 1)
-    joins = distributed.init_distributed
+    joins, seconds = distributed.init_distributed, when.replace(".", "").isdigit()
 
     def init(*args, **kwargs):
         if os.environ.get("RANK") == rank:
-            if when.replace(".", "").isdigit():
-                time.sleep(float(when))
-            while not when.replace(".", "").isdigit() and not Path(when).exists():
+            time.sleep(float(when) if seconds else 0)
+            while not seconds and not Path(when).exists():
                 time.sleep(0.1)
         return joins(*args, **kwargs)
 
