@@ -60,7 +60,8 @@ def test_the_gpu_benchmarks_dry_run_has_its_columns_its_ratios_and_its_deadlines
     rest go on), a part the budget cannot hold skipped without starting it."""
     gpu = load_script("bench/gpu.py")
     runs = ["single-gpu.py", "HF Trainer, run_clm, ZeRO-2"]
-    rows = gpu.main(["--dry", "--runs", *runs, "--out", str(tmp_path)])
+    rows = gpu.main(["--dry", "--runs", "attention", *runs, "--out", str(tmp_path)])
+    assert "| SDPA, the documents' mask |" in (tmp_path / "ATTENTION.md").read_text()  # attention alone, run first
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["tok_s"] > 0 for r in rows)
     assert rows[0]["planned"] > 0 and rows[0]["peak"] > 0 and rows[0]["launches"] == 0  # no kernels on a CPU
     table = (tmp_path / "GPU.md").read_text().splitlines()
