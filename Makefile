@@ -24,7 +24,7 @@ demo: $(VENV)/installed
 	$(DEEPSPEED) zero-optimization.py --demo --zero-stage 3 --batch-size $$((16 / $(DEMO_RANKS))) \
 		--output-dir out/demo-zero --overwrite
 	$(DEEPSPEED) sequence_classification.py --demo --deepspeed --output-dir out/demo-classification --overwrite
-	@$(PY) -c 'from finetune import demo; demo.summary("out/demo-single-gpu", "out/demo-zero", "out/demo-classification")'
+	@$(PY) -c 'from finetune.internals import demo; demo.summary("out/demo-single-gpu", "out/demo-zero", "out/demo-classification")'
 
 $(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt
 	$(PY) -m pip install -q -r tests/requirements.txt

@@ -22,7 +22,8 @@ import warnings
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
-from finetune import memory, models, quantization
+from finetune import models, quantization
+from finetune.internals import memory
 from finetune.hardware import experts_per_token
 from finetune.zero_config import swap_buffer_elements, tuned_values, zero3_layers
 
@@ -166,7 +167,7 @@ def model_states(params, hidden, precision, ranks, option, layer=None):
             cpu = states + 4 * mine + b * mine + b * largest
             return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
         held = weights + states  # in the step: the fp32 flat copy of the gradient partition (the norm copies none:
-        # mends.norm_at_once); on one GPU the gradients stay where autograd made them (contiguous_gradients off) and
+        # mend norm_at_once); on one GPU the gradients stay where autograd made them (contiguous_gradients off) and
         # the step flattens them first: a second 16-bit copy
         return dict(after_backward=held + b * mine, after_step=held, gpu=held + b * mine, cpu=0,
                     in_step=held + (2 if n == 1 else 1) * b * mine + 4 * mine)
@@ -202,7 +203,7 @@ def norm_copy_bytes(params, ranks):
     gradient piece at a time, each copied to fp64 first, in the backward hook on the GPU (runtime/zero/
     stage_1_and_2.py): 8 bytes for each element of the largest piece, up to a whole partition. At a large vocabulary
     that is the embedding's: Llama-3-8B's 525M elements, 4.2 GB. (Without offload DeepSpeed 0.19.8 did the same in the
-    step; mends.norm_at_once takes one foreach norm instead, which copies nothing.)"""
+    step; mend norm_at_once takes one foreach norm instead, which copies nothing.)"""
     trainable = [k for k, t in params if t]
     return 8 * min(max(trainable, default=0), math.ceil(sum(trainable) / ranks))
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 # finetune before the Trainer: importing the Trainer imports bitsandbytes, whose notice finetune/__init__.py quiets
-from finetune import base, checkpoints, data, demo, distributed, hardware, models, training, zero_config
+from finetune import base, checkpoints, data, distributed, hardware, models, training, zero_config
+from finetune.internals import demo
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -160,7 +161,7 @@ def check_trainer_resume(folder, world_size, deepspeed, rank):
 
 
 class StopOnSignal(TrainerCallback):
-    """SIGTERM or SIGUSR1 on any rank (checkpoints.Stop): after the step in flight the Trainer saves a checkpoint and
+    """SIGTERM or SIGUSR1 on any rank (training.Stop): after the step in flight the Trainer saves a checkpoint and
     stops training, on every rank; main() then exits 75, to be resumed (`--resume auto`)."""
 
     def __init__(self, stop):
@@ -237,7 +238,7 @@ def main(argv=None):
     if args.resume == "auto":  # one command line for the first submission and every requeue
         args.resume = "newest" if not args.overwrite and complete_checkpoints(Path(args.output_dir) / "checkpoints") \
             else None
-    out = checkpoints.prepare_output_dir(args.output_dir, args.overwrite, args.resume, rank)
+    out = checkpoints.prepare_output_dir(checkpoints.output_dir(args), args.overwrite, rank)
     resume = check_trainer_resume(out / "checkpoints", world_size, args.deepspeed, rank) if args.resume else None
     if resume:
         say(f"resuming from {resume.name}")
@@ -245,7 +246,7 @@ def main(argv=None):
     timeout = distributed.collective_settings(args.dist_timeout, args.output_dir)
     if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         deepspeed.init_distributed(timeout=timeout)
-    stop = StopOnSignal(checkpoints.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
+    stop = StopOnSignal(training.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
 
     # -------------------------------------------------------------------------------- data
     train, evaluation = data.load_splits(args.dataset, seed=args.seed)

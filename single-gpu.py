@@ -23,7 +23,7 @@ def parse_args(argv=None):
     # (docs/data.md); --model, yours: --lora-rank 16 when full fine-tuning does not fit, then --load-in-4bit;
     # --batch-size, the largest that fits, then --grad-accum for the global batch you want; --lr.
     # Every flag: --help (finetune/flags.py). A recipe to keep: --config FILE (a run's run.json replays the run)
-    flags.add_flags(p, output_dir="out/single-gpu")
+    flags.add_flags(p, *flags.CAUSAL, output_dir="out/single-gpu")
     return flags.parse(p, argv)  # frozen pieces; --demo's and --config's values under the flags given
 
 
@@ -41,18 +41,16 @@ def main(argv=None):
     remote = {"trust_remote_code": config.model.trust_remote_code}  # off unless asked: it runs the model repo's code
     model_config = models.load_pretrained(AutoConfig, config.model.model, **remote)
     config = flags.check(config, getattr(model_config, "max_position_embeddings", None))  # one line if bad; --resume
-    out = checkpoints.prepare_output_dir(config.run.output_dir, config.run.overwrite, config.run.resume, rank)
+    out = checkpoints.output_dir(config.run)  # refused in one line where the flags would lose a run there
     torch.manual_seed(config.train.seed)
 
     # -------------------------------------------------------------------------------- data
     tokenizer = models.load_tokenizer(config.model.model, **remote)
-    train, evals = data.prepare(config.data, tokenizer, local_rank)  # tokenized and packed once per node, then mapped
+    # tokenized and packed once per node, then mapped
+    train, evals = data.prepare(config.data, tokenizer, seed=config.train.seed, local_rank=local_rank)
     config = config.resolved(lr=preference.learning_rate(config.train.lr, train.format, config.model.lora_rank))
     global_batch = config.train.batch_size * config.train.grad_accum * world_size  # sequences per optimizer step
     batches = training.GlobalBatches(len(train), global_batch, config.train.seed)
-    if batches.steps_per_epoch == 0:
-        base.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
-                  f"lower --batch-size or --grad-accum, or add data")
     total_steps = config.train.max_steps or math.ceil(config.train.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(config.train.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
@@ -60,7 +58,8 @@ def main(argv=None):
     folder = checkpoints.resume_folder(out, config.train, config.model, world_size)[0] if config.run.resume else None
     model = models.load_causal_lm(config.model, model_config, device)  # fp32 master weights, the fastest attention
     model_config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
-    model = models.prepare_model(model, config.model, config.train.seed)  # LoRA, gradient checkpointing, the loss
+    model = models.prepare_model(model, config.model, config.train.seed)  # LoRA, gradient checkpointing
+    model = loss.CausalLMLoss(model, config.model.loss_chunk, loss.PairLoss.of(config.train))  # forward(in, targets)
     model.to(device)
     optimizer = torch.optim.AdamW(training.param_groups(model, config.train.weight_decay), lr=config.train.lr,
                                   betas=training.ADAM_BETAS, eps=training.ADAM_EPS, fused=True)  # one kernel
@@ -70,13 +69,14 @@ def main(argv=None):
     if config.model.compile:  # in place: the state dict keeps its names: checkpoints, save_pretrained unchanged
         model.compile()
     compiled = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
-    process = training.Process(device, rank, world_size, autocast, tokenizer.pad_token_id, model_config, say)
+    process = training.Process(device=device, rank=rank, world_size=world_size, autocast=autocast, say=say,
+                               pad_id=tokenizer.pad_token_id, model_config=model_config)  # what this process is
+    checkpoints.prepare_output_dir(out, config.run.overwrite, rank)  # nothing refuses the run now: --overwrite acts
     stats = progress.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
-    stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
+    stop = training.Stop(out, hung=stats.watch.hung)  # SIGTERM, SIGUSR1: stop at a step's end, with a checkpoint
     if folder:  # into the model, the optimizer, the schedule and the scaler; nothing of the file is kept
         stats.restore(checkpoints.load_state(folder, model, optimizer, scheduler, scaler, device))
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
-
     with stats.paused():  # preference pairs (DPO): the model as loaded scores them, once (not training time)
         train, evals = preference.reference(model, (train, evals), config, out, process)  # the pairs with theirs
     # -------------------------------------------------------------------------------- train
@@ -91,9 +91,9 @@ def main(argv=None):
         predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(config.train.grad_accum, -1):
-            inputs, targets = train.batch(micro, tokenizer.pad_token_id, device, model_config, width=compiled.width)
+            inputs, targets = train.batch(micro, process, width=compiled.width)  # the model's inputs, the targets
             with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
-                summed = loss.token_loss_sum(model, inputs, targets, config.train.pair_loss)  # pairs: DPO's
+                summed = model(inputs=inputs, targets=targets)  # the batch's summed loss (loss.CausalLMLoss)
                 batch_loss = summed.loss / predicted
             scaler.scale(batch_loss).backward()
             step_loss += batch_loss.detach()
@@ -107,14 +107,12 @@ def main(argv=None):
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         stats.end_step(step_loss, train, indices, grad_norm)
-
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_interval(step, total_steps, scheduler.get_last_lr()[0]))
         if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
-            with stats.paused():  # every rank evaluates its share of the eval set
-                result = evaluation.evaluate(model, evals, config.train, process)
-                answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
-                    if stats.trackers.names else None  # a few eval prompts answered, for the trackers
+            with stats.paused():  # every rank evaluates its share; a few eval prompts answered, for the trackers
+                result = evaluation.evaluate(model, evals, config.train.batch_size, process)
+                answers = models.answers(model, tokenizer, evals, process) if stats.trackers.names else None
             say(stats.log_eval(step, result, answers))
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or stats.save_due(step, total_steps):
@@ -126,20 +124,16 @@ def main(argv=None):
                                 "stats": stats.state(), "rng": checkpoints.rng_state(device)}, folder / "state.pt")
         if stopping:
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
-
-    # -------------------------------------------------------------------------------- sample
+    # -------------------------------------------------------------------------------- sample and save
     checkpoints.load_best(model, out, stats, config.run.final, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
-    sample = models.sample(model, tokenizer, config.run.prompt, evals, device, say, rank, autocast)  # or why not
-
-    # -------------------------------------------------------------------------------- save (rank 0 writes alone)
-    final = out / "final"
+    sample = models.sample(model, tokenizer, config.run.prompt, evals, process)  # or why not
     results = {**stats.results(world_size, global_batch, held), "sample": sample}
-    if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
-        models.save_final(model, tokenizer, final)
+    if rank == 0:  # rank 0 writes alone: the HF model (LoRA: merged into it), safetensors; the adapter in final/adapter
+        models.save_final(model.causal_lm, tokenizer, out / "final")
         base.write_json(out / "results.json", results)
         progress.plot_losses(stats.losses, out / "loss.png")
-    say(f"saved {final} and {out / 'results.json'}")
+    say(f"saved {out / 'final'} and {out / 'results.json'}")
     return results
 
 

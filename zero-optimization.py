@@ -17,7 +17,8 @@ from transformers import AutoConfig
 from transformers.integrations import HfDeepSpeedConfig  # ZeRO
 
 from finetune import base, checkpoints, data, evaluation, flags, hardware, loss, models, preference, progress, training
-from finetune import distributed, mends, zero, zero_config  # ZeRO
+from finetune import distributed, zero, zero_config  # ZeRO
+from finetune.internals import mends  # ZeRO
 
 
 def parse_args(argv=None):
@@ -26,17 +27,9 @@ def parse_args(argv=None):
     # (docs/data.md); --model, yours: --lora-rank 16 when full fine-tuning does not fit, then --load-in-4bit;
     # --batch-size, the largest that fits, then --grad-accum for the global batch you want; --lr.
     # Every flag: --help (finetune/flags.py). A recipe to keep: --config FILE (a run's run.json replays the run)
-    flags.add_flags(p, output_dir="out/zero")  # ZeRO
-    # ZeRO: the DeepSpeed config file, and overrides of what matters most in it (To-Do: stage 2 if the model fits,
-    # stage 3 if not, then --offload cpu; more in ds_config_zero*.json)
-    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(zero_config.DEFAULT_CONFIG),
-                   default=str(zero_config.DEFAULT_CONFIG), metavar="CONFIG", help="DeepSpeed JSON (default: ZeRO-3's)")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override the config's ZeRO stage")
-    p.add_argument("--offload", choices=["none", "cpu", "nvme"], help="optimizer (and, stage 3, parameter) offload")
-    p.add_argument("--nvme-path", default="/local_nvme", help="folder on a fast local disk for --offload nvme")
-    p.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective waits (a save, a lost rank)")
-    p.add_argument("--sequence-parallel", type=int, default=1, help="split each sequence over N ranks: longer blocks")
-    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    # ZeRO: and the DeepSpeed config file, with overrides of what matters most in it (To-Do: stage 2 if the model
+    # fits, stage 3 if not, then --offload cpu; more in ds_config_zero*.json)
+    flags.add_flags(p, *flags.CAUSAL, flags.Zero, output_dir="out/zero")
     return flags.parse(p, argv)  # frozen pieces; --demo's and --config's values under the flags given
 
 
@@ -55,19 +48,17 @@ def main(argv=None):
     remote = {"trust_remote_code": config.model.trust_remote_code}  # off unless asked: it runs the model repo's code
     model_config = models.load_pretrained(AutoConfig, config.model.model, **remote)
     config = flags.check(config, getattr(model_config, "max_position_embeddings", None))  # one line if bad; --resume
-    out = checkpoints.prepare_output_dir(config.run.output_dir, config.run.overwrite, config.run.resume, rank)
+    out = checkpoints.output_dir(config.run)  # refused in one line where the flags would lose a run there
     torch.manual_seed(config.train.seed)
 
     # -------------------------------------------------------------------------------- data
     tokenizer = models.load_tokenizer(config.model.model, **remote)
-    train, evals = data.prepare(config.data, tokenizer, local_rank)  # tokenized and packed once per node, then mapped
+    # tokenized and packed once per node, then mapped
+    train, evals = data.prepare(config.data, tokenizer, seed=config.train.seed, local_rank=local_rank)
     config = config.resolved(lr=preference.learning_rate(config.train.lr, train.format, config.model.lora_rank))
     global_batch = config.train.batch_size * config.train.grad_accum * world_size  # sequences per optimizer step
     global_batch //= config.sequence_parallel  # ZeRO: the ranks of a sequence-parallel group share their rows
     batches = training.GlobalBatches(len(train), global_batch, config.train.seed)
-    if batches.steps_per_epoch == 0:
-        base.fail(f"{len(train)} training sequences is less than one global batch of {global_batch}; "
-                  f"lower --batch-size or --grad-accum, or add data")
     total_steps = config.train.max_steps or math.ceil(config.train.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(config.train.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
 
@@ -79,7 +70,8 @@ def main(argv=None):
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # ZeRO-3: from_pretrained loads each rank's shard, never a full copy
     model = models.load_causal_lm(config.model, model_config, device)  # fp32 master weights, the fastest attention
     model_config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
-    model = models.prepare_model(model, config.model, config.train.seed)  # LoRA, gradient checkpointing, the loss
+    model = models.prepare_model(model, config.model, config.train.seed)  # LoRA, gradient checkpointing
+    model = loss.CausalLMLoss(model, config.model.loss_chunk, loss.PairLoss.of(config.train))  # forward(in, targets)
     schedule = lambda opt: training.cosine_schedule(opt, warmup_steps, total_steps)
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
         model=model, model_parameters=training.param_groups(model, config.train.weight_decay), config=ds_config,
@@ -87,23 +79,25 @@ def main(argv=None):
     autocast = zero.autocast(model, device, precision)  # ZeRO: the engine's 16-bit weights, or ZeRO-0's autocast
     if config.model.compile:  # in place: the state dict keeps its names: checkpoints, save_pretrained unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
-    mends.mend(model)  # ZeRO: DeepSpeed's fp16 loss scale where it errs, its slow paths (finetune/mends.py)
+    mended = mends.mend(model, config.zero.mends, say)  # ZeRO: DeepSpeed's defects and slow paths, by name (--mends)
     compiled = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
-    process = training.Process(device, rank, world_size, autocast, tokenizer.pad_token_id, model_config, say)
+    process = training.Process(device=device, rank=rank, world_size=world_size, autocast=autocast, say=say,
+                               pad_id=tokenizer.pad_token_id, model_config=model_config)  # what this process is
+    checkpoints.prepare_output_dir(out, config.run.overwrite, rank)  # nothing refuses the run now: --overwrite acts
     stats = progress.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
-    stop = checkpoints.Stop(out)  # SIGTERM, SIGUSR1 (a scheduler's notice): stop at a step's end with a checkpoint
+    stop = training.Stop(out, hung=stats.watch.hung)  # SIGTERM, SIGUSR1: stop at a step's end, with a checkpoint
     if folder:
         _, state = model.load_checkpoint(folder.parent, folder.name)  # ZeRO: every rank loads its shards
-        zero.after_load(model, folder, rank, config.train, state["stats"]["step"], device)  # ZeRO: RNG per rank, ...
-        stats.restore(state["stats"])
+        stats.restore(zero.after_load(folder, state, process, config.train.seed))  # ZeRO: and its own random state
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
-
     with stats.paused():  # preference pairs (DPO): the model as loaded scores them, once (not training time)
         train, evals = preference.reference(model, (train, evals), config, out, process)  # the pairs with theirs
     # -------------------------------------------------------------------------------- train
     say(f"{stats.describe()} | {train.describe(config.data.packing)} | {total_steps} steps of {global_batch} "
         f"sequences ({training.split(config, world_size)}) | lr {config.train.lr:g} | {precision} | {device}")
     model.train()
+    divisor = zero.gradient_divisor(model, world_size, config.sequence_parallel)  # ZeRO: what the engine divides by
+    shard = zero.sequence_shard(rank, config.sequence_parallel)  # ZeRO: this rank's part of its replica's sequences
     bar = tqdm(range(stats.step, total_steps), initial=stats.step, total=total_steps,
                disable=True if rank else None)  # None: a bar on a terminal only, not in log files
     for step in bar:
@@ -112,28 +106,24 @@ def main(argv=None):
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(config.train.grad_accum, -1):
             share = micro.view(-1, config.train.batch_size)[rank // config.sequence_parallel]  # ZeRO: this replica's
-            inputs, targets = train.batch(share, tokenizer.pad_token_id, device, model_config, width=compiled.width,
-                                          sequence_shard=zero.sequence_shard(rank, config.sequence_parallel))  # ZeRO
+            inputs, targets = train.batch(share, process, width=compiled.width, sequence_shard=shard)  # ZeRO
             with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
-                summed = loss.token_loss_sum(model, inputs, targets, config.train.pair_loss)  # pairs: DPO's
+                summed = model(inputs=inputs, targets=targets)  # the batch's summed loss (loss.CausalLMLoss)
                 batch_loss = summed.loss / predicted
             # ZeRO: the engine averages gradients over ranks and micro-steps; undo both, so the gradient is the
             # token mean over the global batch exactly as in single-gpu.py
-            model.backward(batch_loss * zero.gradient_divisor(model, world_size, config.sequence_parallel),
-                           scale_wrt_gas=False)
+            model.backward(batch_loss * divisor, scale_wrt_gas=False)
             model.step()  # ZeRO: at the last micro-step: clip, update, step the LR schedule, zero the gradients
             step_loss += batch_loss.detach()
             stats.micro_step(summed)  # progress, for the hang watchdog; preference pairs: their metrics' sums
-        grad_norm = zero.grad_norm(model)  # ZeRO: the engine's global norm before clipping, as clip_grad_norm_'s
+        grad_norm = model.get_global_grad_norm()  # ZeRO: the engine's norm before clipping, as clip_grad_norm_'s
         stats.end_step(step_loss, train, indices, grad_norm)
-
         if stats.log_due(step, total_steps):  # the one host-device sync: the interval's losses, checked
             say(stats.log_interval(step, total_steps, scheduler.get_last_lr()[0]))
         if stats.eval_due(step, total_steps):  # every --eval-every steps and at the end; before the checkpoint
-            with stats.paused():  # every rank evaluates its share of the eval set
-                result = evaluation.evaluate(model, evals, config.train, process)
-                answers = models.answers(model, tokenizer, evals.examples, evals.format, device, rank, autocast) \
-                    if stats.trackers.names else None  # a few eval prompts answered, for the trackers
+            with stats.paused():  # every rank evaluates its share; a few eval prompts answered, for the trackers
+                result = evaluation.evaluate(model, evals, config.train.batch_size, process)
+                answers = models.answers(model, tokenizer, evals, process) if stats.trackers.names else None
             say(stats.log_eval(step, result, answers))
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or stats.save_due(step, total_steps):
@@ -148,22 +138,19 @@ def main(argv=None):
                     torch.distributed.barrier()  # ZeRO: every rank has finished writing
         if stopping:
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
-
-    # -------------------------------------------------------------------------------- sample
+    # -------------------------------------------------------------------------------- sample and save
     checkpoints.load_best(model, out, stats, config.run.final, world_size, say)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
-    sample = models.sample(model, tokenizer, config.run.prompt, evals, device, say, rank, autocast)  # or why not
-
-    # -------------------------------------------------------------------------------- save (rank 0 writes alone)
-    final = out / "final"
+    sample = models.sample(model, tokenizer, config.run.prompt, evals, process)  # or why not
     state = zero.gathered_state_dict(model)  # ZeRO: the last collective: the shards, whole, on rank 0
     del hf_ds_config  # ZeRO: from here on transformers builds whole models again (rank 0 merges LoRA on its own)
     results = {**stats.results(world_size, global_batch, held), "sample": sample}
-    if rank == 0:  # the HF model (LoRA: merged into it), safetensors; the LoRA adapter in final/adapter
-        models.save_final(model.module, tokenizer, final, state)  # ZeRO: the engine wraps the model
+    if rank == 0:  # rank 0 writes alone: the HF model (LoRA: merged into it), safetensors; the adapter in final/adapter
+        models.save_final(model.module.causal_lm, tokenizer, out / "final", state)  # ZeRO: the engine wraps the model
         base.write_json(out / "results.json", results)
         progress.plot_losses(stats.losses, out / "loss.png")
-    say(f"saved {final} and {out / 'results.json'}")
+    say(f"saved {out / 'final'} and {out / 'results.json'}")
+    mended.undo()  # ZeRO: DeepSpeed's own functions back for the process (a notebook's next run starts from them)
     torch.distributed.destroy_process_group()  # ZeRO: leave the group cleanly
     return results
 

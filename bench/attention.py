@@ -5,9 +5,10 @@ apart costs against attention that does not (bench/gpu.py runs it first, within 
     python3 bench/attention.py --dry    # the CPU, fp32, a small shape: the rows a CPU can run, in seconds
 
 Rows, over the same queries, keys and values: SDPA with the documents' block-diagonal causal mask (isolated packing
-without a varlen kernel: SDPA's flash kernel takes no mask); torch's varlen FlashAttention through finetune.varlen's
-attention function (what --attention auto picks on Ampere+ without flash-attn); flash-attn's varlen function, where
-installed; SDPA causal without a mask (stream packing's attention: each row one sequence, so another output).
+without a varlen kernel: SDPA's flash kernel takes no mask); torch's varlen FlashAttention through
+finetune.internals.varlen's attention function (what --attention auto picks on Ampere+ without flash-attn);
+flash-attn's varlen function, where installed; SDPA causal without a mask (stream packing's attention: each row one
+sequence, so another output).
 Columns: the median milliseconds of a forward and a backward, the ratio of SDPA causal's time to it (above 1: faster
 than attention that keeps no documents apart), and the largest difference of its output from each document run
 apart in fp32 (varlen.documents_apart). Shapes: 16 x 512 and 8 x 2048 tokens with OPT-125m's heads (12 of 64) and
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from finetune import varlen  # noqa: E402
+from finetune.internals import varlen  # noqa: E402
 from gpu import keep  # noqa: E402
 
 SHAPES, HEADS = [(16, 512), (8, 2048)], {"OPT-125m": (12, 12, 64), "Llama-3.2-1B": (32, 8, 64)}

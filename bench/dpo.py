@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from finetune import demo  # noqa: E402
+from finetune.internals import demo  # noqa: E402
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "HF_HUB_OFFLINE": "1"}

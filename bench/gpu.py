@@ -15,7 +15,7 @@ the 1B shape and ZeRO-3 + CPU offload. Each a plain `python` process: a world of
 
 Columns: useful tokens/s after the warm-up (the first log interval) and its ratio to single-gpu.py's and the
 Trainer's; MFU; peak memory allocated beside plan.py's planned peak for the run; per step the kernel launches and
-device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: progress.profile; inside the warm-up interval);
+device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: progress.Profiler; inside the warm-up interval);
 the last loss. Random weights (they time as trained ones), generated reviews and chats; a chats row's ratio is to
 single-gpu.py's on chats.
 """
@@ -123,7 +123,7 @@ def steady_tokens_per_sec(r):
 
 
 def profiled(folder):
-    """(kernel launches, device syncs) per step, from progress.profile's counts."""
+    """(kernel launches, device syncs) per step, from progress.Profiler's counts."""
     path = folder / "profile" / "profile-rank0.json"
     if not path.exists():
         return None, None
@@ -155,7 +155,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "out" / "gpu"))
     args = p.parse_args(argv)
     import torch
-    from finetune import demo
+    from finetune.internals import demo
     from run import model_folder
 
     if not args.dry and not torch.cuda.is_available():

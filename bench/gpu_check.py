@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from finetune import demo  # noqa: E402
+from finetune.internals import demo  # noqa: E402
 from run import model_folder  # noqa: E402
 
 RUNS = [("single GPU", "single-gpu.py", []), ("single GPU, --compile", "single-gpu.py", ["--compile"]),

@@ -38,7 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from finetune import demo, progress  # noqa: E402
+from finetune import progress  # noqa: E402
+from finetune.internals import demo  # noqa: E402
 
 RUNS = {  # name -> (script, its flags)
     "single-gpu.py": ("single-gpu.py", []),

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from finetune import demo  # noqa: E402
+from finetune.internals import demo  # noqa: E402
 
 
 def build(folder, hidden, layers, heads, positions):

@@ -41,10 +41,14 @@ HF_ZERO2 = {
 
 
 class Profile(TrainerCallback):
-    """TRAIN_PROFILE=folder: the same profile as progress.profile, of the Trainer's steps."""
+    """TRAIN_PROFILE=folder: the same profile as progress.Profiler's, of the Trainer's steps."""
+
+    def __init__(self):
+        rank = int(os.environ.get("RANK", "0"))
+        self.profiler = progress.Profiler(os.environ.get("TRAIN_PROFILE"), rank)
 
     def on_step_end(self, args, state, control, **kwargs):
-        progress.profile(state.global_step)
+        self.profiler.step_done(state.global_step)
 
 
 class TrainingTime(TrainerCallback):

@@ -22,7 +22,7 @@ def corpus(path, n):
     """n generated reviews (demo.py's), one per row of a .csv file with a `text` column."""
     import csv
 
-    from finetune import demo
+    from finetune.internals import demo
     if path.exists():
         return path
     rng = random.Random(n)
@@ -39,17 +39,20 @@ def worker(dataset, local_rank):
     import numpy as np
     import torch
 
-    from finetune import data, demo, flags
+    from finetune import data, flags, training
+    from finetune.internals import demo
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo.assets()["lm"])
     settings = flags.defaults(dataset=str(dataset), seed=0, block_size=256, max_eval_samples=0).data
     start = time.perf_counter()
-    train, _ = data.prepare(settings, tokenizer, local_rank)
+    train, _ = data.prepare(settings, tokenizer, seed=0, local_rank=local_rank)
     prepared = time.perf_counter() - start
     order = np.random.default_rng(local_rank).permutation(len(train))
+    process = training.Process(device=torch.device("cpu"), rank=0, world_size=1, autocast=None,
+                               pad_id=tokenizer.pad_token_id, model_config=None)
     for k in range(50):
-        train.batch(order[8 * k:8 * (k + 1)], tokenizer.pad_token_id, torch.device("cpu"), None)
+        train.batch(order[8 * k:8 * (k + 1)], process)
     with open("/proc/self/status") as f:  # now: the process's own memory, and the file pages it maps (shared)
         now = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
                if k in ("RssAnon", "RssFile")}

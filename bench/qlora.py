@@ -73,7 +73,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from transformers import OPTConfig, AutoModelForCausalLM
 
-    from finetune import demo
+    from finetune.internals import demo
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = corpus(out)

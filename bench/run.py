@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from finetune import demo, hardware  # noqa: E402
+from finetune import hardware  # noqa: E402
+from finetune.internals import demo  # noqa: E402
 import plan  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -218,8 +219,8 @@ def write_report(rows, out, name, device_name):
              "(range in brackets). x run_clm and x seeds: ratios to the peers measured in the same run, on the same "
              "model, data and sequences per step. Peak memory: rank 0's (GPU allocated, or the process's peak "
              "resident memory on CPU), and its ratio to run_clm's. Model states: the bytes each rank held after the "
-             "last step (`finetune/memory.py`), and `plan.py`'s figure for the run. TFLOPs and MFU on GPUs only "
-             "([docs/gpu.md](../docs/gpu.md)).", "",
+             "last step (`finetune/internals/memory.py`), and `plan.py`'s figure for the run. TFLOPs and MFU on GPUs "
+             "only ([docs/gpu.md](../docs/gpu.md)).", "",
              "| model | run | ranks | ZeRO | precision | packing | useful tok/s | x run_clm | x seeds | peak mem/rank "
              "(GiB) | mem vs run_clm | model states/rank: counted / planned | TFLOPs/GPU | MFU | final loss |",
              "|" + "---|" * 15]

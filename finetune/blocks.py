@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from . import hardware
 from .base import fail
 
 CHUNK = 4096  # pieces of documents written at a time: at most 48 MB of output pages mapped at once
@@ -133,6 +132,27 @@ class Targets(NamedTuple):
         """What the loss is divided by over a batch: its pairs, or its tokens that carry loss."""
         return self.pairs if self.sequence is not None else len(self.index)
 
+class Batch(NamedTuple):
+    """A micro-batch, whole: the model's inputs (a dict) and the loss's targets (Targets)."""
+    inputs: dict
+    targets: Targets
+
+
+class HostRows(NamedTuple):
+    """A batch's rows on the host before they go to the device (Blocks.rows): token ids, positions, shifted labels,
+    where each segment starts, which answer each token is of (pairs), the shared prompt's tokens and how many of
+    them each token sees (pairs, or None), the varlen boundaries (or None), the rows' width."""
+    ids: Any
+    positions: Any
+    labels: Any
+    starts: Any
+    sequence: Any
+    shared: Any
+    prefix: Any
+    bounds: Any
+    width: int
+
+
 class Blocks:
     """A prepared split, memory-mapped. Per block: `lengths` (tokens), `predicted` (tokens that carry loss) and
     `attended` (the tokens each token attends to, summed: for the FLOPs count), known up front, so the loss
@@ -175,24 +195,62 @@ class Blocks:
         cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
         return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
 
-    def batch(self, indices, pad_id, device, config, carry_loss=True, sequence_shard=None, width=None):
-        """The model's inputs and the loss targets for these blocks. Labels are shifted here, on the host (label t
-        is token t+1, or -100), so the loss never copies the logits to shift them; with them comes the flat index
-        of the positions that carry loss, so the loss computes logits for those only. Each document attends only to
-        itself: a block-diagonal causal mask (unless a row is one whole segment), or, with FlashAttention, the rows
-        laid end to end without padding and cut at the documents' boundaries (varlen). Padding attends to itself
-        only and carries no loss. `sequence_shard`: (this rank's place, ranks) in a sequence-parallel group: its
-        slice of the tokens and targets (sequence_parallel.py), no mask (the attention builds it). `width`: rows
-        padded to this many tokens at least (--compile: one shape, one graph; FlashAttention's single row is left
-        as it is)."""
+    def batch(self, indices, process, *, carry_loss=True, sequence_shard=None, width=None):
+        """The model's inputs and the loss targets for these blocks (a Batch). Labels are shifted here, on the host
+        (label t is token t+1, or -100), so the loss never copies the logits to shift them; with them comes the flat
+        index of the positions that carry loss, so the loss computes logits for those only. Each document attends
+        only to itself: a block-diagonal causal mask (unless a row is one whole segment), or, with FlashAttention,
+        the rows laid end to end without padding and cut at the documents' boundaries (varlen). Padding attends to
+        itself only and carries no loss. `process`: training.Process (its device, padding token and the model's
+        config). `sequence_shard`: (this rank's place, ranks) in a sequence-parallel group: its slice of the tokens
+        and targets (sequence_parallel.py), no mask (the attention builds it). `width`: rows padded to this many
+        tokens at least (--compile: one shape, one graph; FlashAttention's single row is left as it is)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        layout = attention_layout(getattr(process.model_config, "_attn_implementation", None))
+        host = self.rows(indices, process.pad_id, width, carry_loss=carry_loss, varlen=layout == "varlen")
+        device = process.device
+        if sequence_shard and sequence_shard[1] > 1:
+            from .internals import sequence_parallel
+            inputs, (labels, index) = sequence_parallel.shard(host, *sequence_shard, process, layout)
+            return Batch(inputs, Targets(labels, index))
+        segments = np.cumsum(host.starts, axis=-1)
+        where_loss = np.flatnonzero(host.labels != -100)
+        index = process.to_device(where_loss)
+        ids, positions, labels, segments = process.to_device(np.stack([host.ids, host.positions, host.labels,
+                                                                       segments]))
+        inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
+        if layout == "varlen":
+            cu = process.to_device(host.bounds)
+            longest = int(np.diff(host.bounds).max())
+            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        elif host.starts[:, 1:].any() or width and self.packing != "stream":
+            # (else one causal segment a row, no padding: the model's own mask; under --compile only where every batch
+            # is so, a stream, so that one graph takes them all)
+            causal = torch.ones(host.width, host.width, dtype=torch.bool, device=device).tril()
+            same = (segments[:, None, :, None] == segments[:, None, None, :]) & causal
+            if host.prefix is not None:  # a rejected answer's tokens also see the prompt in the segment before theirs
+                key, query = process.to_device(np.stack([host.shared, host.prefix > 0]))
+                same |= ((segments[:, None, :, None] - 1 == segments[:, None, None, :]) & key[:, None, None, :]
+                         & query[:, None, :, None])
+            inputs["attention_mask"] = document_masks(same, process.model_config, layout, positions)
+        if self.pieces is None:
+            return Batch(inputs, dynamic(Targets(labels, index), width))
+        # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
+        pairs = self.pair_ids(indices) if carry_loss else np.zeros(0, np.int64)
+        reference = self.reference[torch.from_numpy(pairs)].to(device) if self.reference is not None else None
+        sequence = process.to_device(host.sequence.ravel()[where_loss])
+        return Batch(inputs, dynamic(Targets(labels, index, sequence, len(pairs), reference), width))
+
+    def rows(self, indices, pad_id, width=None, *, carry_loss=True, varlen=False):
+        """These blocks on the host (HostRows): each a row, padded to the longest (and to `width`); with `varlen` the
+        real tokens of all in one row and the segments' boundaries."""
         first, lengths = self.starts[indices], self.lengths[indices]
         if self.split_rows:  # --packing none with pairs: the chosen sequence a row, the rejected the next
             chosen = np.array([1 + np.flatnonzero(self.flags[a + 1:a + n] & DOC_START)[0]
                                for a, n in zip(first, lengths)])
             first = np.stack([first, first + chosen], 1).ravel()
             lengths = np.stack([chosen, lengths - chosen], 1).ravel()
-        fixed, width = width, max(int(lengths.max()), width or 0)  # fixed: --compile's one shape
+        width = max(int(lengths.max()), width or 0)
         cols = np.arange(width)
         real = cols[None, :] < lengths[:, None]
         where = np.where(real, first[:, None] + cols[None, :], 0)
@@ -205,46 +263,18 @@ class Blocks:
             positions = positions + prefix
         labels = np.full_like(ids, -100)
         labels[:, :-1] = np.where(flags[:, 1:] & LOSS & carry_loss, ids[:, 1:], -100)
-        layout = attention_layout(getattr(config, "_attn_implementation", None))
         sequence = np.cumsum(starts & real).reshape(real.shape) - 1  # pairs: which answer each token is of
-        if layout == "varlen":  # one row of the real tokens; FlashAttention takes the segments' boundaries
-            ids, labels, starts, sequence = (x[real] for x in (ids, labels, starts, sequence))
-            if prefix is not None:
-                ids, labels, starts, sequence = unshared(ids, labels, starts, sequence, shared[real], prefix[real])
-            at = np.arange(len(ids))
-            positions = at - np.maximum.accumulate(np.where(starts, at, 0))
-            ids, positions, labels, starts, sequence = (x[None] for x in (ids, positions, labels, starts, sequence))
-            bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
-        if sequence_shard and sequence_shard[1] > 1:
-            from . import sequence_parallel
-            inputs, (labels, index) = sequence_parallel.shard(ids, positions, labels, *sequence_shard, device, layout)
-            return inputs, Targets(labels, index)
-        segments = np.cumsum(starts, axis=-1)
-        where_loss = np.flatnonzero(labels != -100)
-        index = hardware.to_device(where_loss, device)
-        ids, positions, labels, segments = hardware.to_device(np.stack([ids, positions, labels, segments]), device)
-        inputs = {"input_ids": ids, "position_ids": positions, "use_cache": False}
-        if layout == "varlen":
-            cu = hardware.to_device(bounds, device)
-            longest = int(np.diff(bounds).max())
-            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
-        elif starts[:, 1:].any() or fixed and self.packing != "stream":
-            # (else one causal segment a row, no padding: the model's own mask; under --compile only where every batch
-            # is so, a stream, so that one graph takes them all)
-            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-            same = (segments[:, None, :, None] == segments[:, None, None, :]) & causal
-            if prefix is not None:  # a rejected answer's tokens also see the prompt in the segment before theirs
-                key, query = hardware.to_device(np.stack([shared, prefix > 0]), device)
-                same |= ((segments[:, None, :, None] - 1 == segments[:, None, None, :]) & key[:, None, None, :]
-                         & query[:, None, :, None])
-            inputs["attention_mask"] = document_masks(same, config, layout, positions)
-        if self.pieces is None:
-            return inputs, dynamic(Targets(labels, index), fixed)
-        # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
-        pairs = self.pair_ids(indices) if carry_loss else np.zeros(0, np.int64)
-        reference = self.reference[torch.from_numpy(pairs)].to(device) if self.reference is not None else None
-        return inputs, dynamic(Targets(labels, index, hardware.to_device(sequence.ravel()[where_loss], device),
-                                       len(pairs), reference), fixed)
+        if not varlen:
+            return HostRows(ids, positions, labels, starts, sequence, shared, prefix, None, width)
+        # one row of the real tokens; FlashAttention takes the segments' boundaries
+        ids, labels, starts, sequence = (x[real] for x in (ids, labels, starts, sequence))
+        if prefix is not None:
+            ids, labels, starts, sequence = unshared(ids, labels, starts, sequence, shared[real], prefix[real])
+        at = np.arange(len(ids))
+        positions = at - np.maximum.accumulate(np.where(starts, at, 0))
+        ids, positions, labels, starts, sequence = (x[None] for x in (ids, positions, labels, starts, sequence))
+        bounds = np.append(np.flatnonzero(starts[0]), starts.size).astype(np.int32)
+        return HostRows(ids, positions, labels, starts, sequence, shared, prefix, bounds, width)
 
     def pair_ids(self, indices):
         """The pairs (rows of the split) in these blocks, in the order their sequences lie in a batch of them."""
@@ -280,7 +310,8 @@ def document_masks(same, config, layout, positions=None):
     have one: a 4-D mask passes transformers' mask building as it is, so a layer that attends only to its last
     `sliding_window` tokens (Mistral's, Gemma 2/3's local layers, gpt-oss's) must get that window here, or training
     would attend further than inference does. Models that mix full and sliding layers take a mask per layer type."""
-    config = hardware.text_config(config)  # a multimodal model (Gemma 3 4B and up) keeps its layers' settings there
+    # a multimodal model (Gemma 3 4B and up) keeps its layers' settings in its text config (hardware.text_config)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(config, "sliding_window", None)
     # a mask per layer type where the model takes one (its config class declares layer_types); Mistral's model takes
     # one mask, windowed in every layer, even when a checkpoint's config lists layer types (transformers warns of those)

@@ -8,45 +8,55 @@ import math
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from . import hangs
 from .base import ROOT, fail, write_json
 
 STOPPED = 75  # the exit status of a run a signal stopped, its checkpoint written: resume it (EX_TEMPFAIL)
 STOPPED_FILE = "stopped.json"  # in the output folder, beside that checkpoint: job/slurm.sbatch requeues on it
 
 
-def prepare_output_dir(path, overwrite, resume, rank):
-    """Refuse to overwrite a run by accident: a finished one needs --overwrite, an unfinished one --resume."""
-    out = Path(path)
+def output_dir(run):
+    """The run folder (--output-dir), refused in one line where the flags would lose a run in it, before anything is
+    read or written: a file; a finished run without --overwrite; an unfinished one without --resume or --overwrite;
+    --resume with nothing to resume, or with --overwrite. Nothing is written here: prepare_output_dir does that, once
+    nothing else can refuse the run. `run`: flags.Run."""
+    out = Path(run.output_dir)
     if out.exists() and not out.is_dir():
         fail(f"--output-dir {out} is a file; pass a folder")
     # started: a complete checkpoint, ours (`latest`) or the HF Trainer's (checkpoint-N); a run killed in its first
     # save has nothing to resume and starts over
     ckpt = out / "checkpoints"
     finished, started = (out / "results.json").exists(), (ckpt / "latest").exists() or any(ckpt.glob("checkpoint-*"))
-    if overwrite:
-        if rank == 0:
-            for name in ("results.json", "loss.png", "wandb-run-id", "reference.pt"):
-                (out / name).unlink(missing_ok=True)
-            for name in ("checkpoints", "final", "tensorboard", "wandb"):  # the trackers' curves start over too
-                shutil.rmtree(out / name, ignore_errors=True)
-    elif finished:
+    if run.overwrite and run.resume:
+        fail("--overwrite starts the run over and --resume continues it: pass one of them")
+    if finished and not run.overwrite:
         fail(f"{out} holds a finished run; pass --overwrite to replace it or choose another --output-dir")
-    elif started and not resume:
+    if started and not run.resume and not run.overwrite:
         fail(f"{out} holds an unfinished run; pass --resume to continue it or --overwrite to start over")
-    elif resume and not started:
+    if run.resume and not started:
         fail(f"--resume: {out} has no checkpoints to resume from")
-    # every rank: NCCL's flight recorder dumps into it on a timeout (hangs.py), on nodes without a shared disk too
+    return out
+
+
+def prepare_output_dir(out, overwrite, rank):
+    """The run folder made ready, once nothing can refuse the run any more (every check of the flags, the data, the
+    model, the DeepSpeed config and the resume is behind it): with --overwrite the old run's results, checkpoints and
+    trackers removed (rank 0), the folder made (every rank: NCCL's flight recorder dumps into it on a timeout, on
+    nodes without a shared disk too), a save that was killed half-way removed."""
+    out = Path(out)
+    if overwrite and rank == 0:
+        for name in ("results.json", "loss.png", "wandb-run-id", "reference.pt"):
+            (out / name).unlink(missing_ok=True)
+        for name in ("checkpoints", "final", "tensorboard", "wandb"):  # the trackers' curves start over too
+            shutil.rmtree(out / name, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        for partial in (out / "checkpoints").glob(".tmp-*"):  # a save that was killed half-way
+        for partial in (out / "checkpoints").glob(".tmp-*"):
             shutil.rmtree(partial, ignore_errors=True)
     return out
 
@@ -252,59 +262,6 @@ def load_state(folder, model, optimizer, scheduler, scaler, device):
     scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], device)
     return state["stats"]
-
-
-class Stop:
-    """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
-    --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank
-    stops at the same step, writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal
-    changes nothing; a kill during the save leaves the previous checkpoint as `latest` (publish_checkpoint).
-
-    `out`/stopped.json says so after the checkpoint (rank 0 writes it; a run that starts removes it): what a batch
-    script reads to requeue the job, whatever exit status a launcher made of 75 on the way."""
-
-    def __init__(self, out):
-        self.signal, self.world, self.marker = None, None, Path(out) / STOPPED_FILE
-        if os.environ.get("RANK", "0") == "0":
-            self.marker.unlink(missing_ok=True)
-        for number in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(number, self._ask)
-
-    def _world(self):
-        """(ranks, the group they agree on), at the first step's end: the process group may not exist yet when Stop is
-        made (the HF Trainer makes it in TrainingArguments). Every rank gets here at the same step (new_group is a
-        collective). The group is a CPU one: the flag never waits on a GPU's queue of work (no host sync per step)."""
-        if self.world is None:
-            dist = torch.distributed
-            ranks = dist.get_world_size() if dist.is_initialized() else 1
-            self.world = ranks, None if ranks == 1 or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        return self.world
-
-    def _ask(self, number, frame):
-        if hangs.reported.is_set():  # a hung run has no step to finish: the launcher is ending it
-            os._exit(hangs.HUNG)
-        self.signal = self.signal or number
-
-    def due(self):
-        """Whether to stop after this step: a signal reached any rank (only the signalled node knows, on a cluster:
-        a one-element all-reduce tells the others)."""
-        ranks, group = self._world()
-        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
-        if ranks > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-
-    def exit(self, step, say):
-        """After the checkpoint: every rank has finished (a launcher stops the others as soon as one exits), then
-        leave with STOPPED."""
-        ranks, group = self._world()
-        name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
-        if os.environ.get("RANK", "0") == "0":  # before the barrier: once a rank leaves, a launcher stops the others
-            write_json(self.marker, {"step": step, "signal": name})
-        if ranks > 1:
-            torch.distributed.barrier(group=group)
-        say(f"stopped by {name} after step {step}, its checkpoint written: rerun with --resume auto to continue")
-        raise SystemExit(STOPPED)
 
 
 def run_record(step, config, global_batch, world_size, model, stats):

@@ -227,18 +227,18 @@ def _checked(batches, where):
         yield batch
 
 
-def prepare(data, tokenizer, local_rank=0):
+def prepare(data, tokenizer, *, seed, local_rank=0):
     """The train and eval Blocks. Local rank 0 of each node tokenizes and packs them once into a cache keyed by the
     data, the tokenizer and the settings (a rerun or resume starts at once); the other ranks of the node wait for it
     (a wait on a file, not a collective: it does not time out on a large corpus), then every rank memory-maps the
-    files, whose pages the node's ranks share. `data`: flags.Data."""
-    folder, started = CACHE / cache_key(data, tokenizer), time.time()
+    files, whose pages the node's ranks share. `data`: flags.Data; `seed` draws the held-out rows (--seed)."""
+    folder, started = CACHE / cache_key(data, tokenizer, seed), time.time()
     failed = folder.with_name(f"{folder.name}.failed")  # what local rank 0 could not prepare, for the others to say
     if local_rank == 0 and not (folder / "meta.json").exists():
         failed.unlink(missing_ok=True)
         partial = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")  # renamed to `folder` once complete
         try:
-            _prepare(data, tokenizer, folder, partial)
+            _prepare(data, tokenizer, seed, folder, partial)
         except SystemExit as e:
             CACHE.mkdir(parents=True, exist_ok=True)
             failed.write_text(str(e))
@@ -255,13 +255,13 @@ def prepare(data, tokenizer, local_rank=0):
     return Blocks(folder / "train", meta), Blocks(folder / "eval", meta)
 
 
-def cache_key(data, tokenizer):
+def cache_key(data, tokenizer, seed):
     """What the prepared blocks depend on: the data (a local file's size and time), the tokenizer (its vocabulary,
     special tokens and chat template) and every flag that changes the tokens or their loss."""
     h = hashlib.sha256()
     path = Path(data.dataset)
     where = lambda p: [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] if p.is_file() else [str(p)]
-    h.update(json.dumps([VERSION, where(path), data.dataset_config, data.max_train_samples, data.seed, data.block_size,
+    h.update(json.dumps([VERSION, where(path), data.dataset_config, data.max_train_samples, seed, data.block_size,
                          data.packing, data.train_on_prompt, data.text_column, data.prompt_column,
                          data.completion_column, data.messages_column, data.eval_fraction, data.max_eval_samples,
                          where(Path(data.eval_dataset)) if data.eval_dataset else None]).encode())
@@ -271,12 +271,12 @@ def cache_key(data, tokenizer):
     return h.hexdigest()[:16]
 
 
-def _prepare(data, tokenizer, folder, partial):
+def _prepare(data, tokenizer, seed, folder, partial):
     import datasets
 
     if tokenizer.eos_token_id is None:
         fail("the tokenizer has no EOS token; set tokenizer.eos_token before training")
-    train, evaluation = load_splits(data.dataset, data.dataset_config, data.seed, data.max_train_samples,
+    train, evaluation = load_splits(data.dataset, data.dataset_config, seed, data.max_train_samples,
                                     data.eval_fraction, data.eval_dataset, data.max_eval_samples)
     fmt, names = find_format(train.column_names, data)
     if data.eval_dataset:  # the same kind of data: the columns the training rows are read from

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoints, hardware, tracking
+from . import checkpoints, hardware
 from .base import fail
 
 
@@ -126,7 +126,7 @@ def collective_settings(dist_timeout, output_dir):
     so a stuck rank would hang the others that long. Set that default too, before DeepSpeed makes its groups."""
     import torch.distributed.distributed_c10d as c10d
 
-    from . import hangs
+    from .internals import hangs
 
     if dist_timeout < hangs.MIN_DIST_TIMEOUT:
         fail(f"--dist-timeout must be at least {hangs.MIN_DIST_TIMEOUT} seconds (it bounds every collective, the "
@@ -282,7 +282,8 @@ def run_distributed(main):
     code = 0
     try:
         main()
-    except SystemExit as e:  # stopped by a signal with its checkpoint written: the CPU exit below, with its status
+    except SystemExit as e:  # stopped by a signal with its checkpoint written (the trackers' records with it): the CPU
+        # exit below, with its status
         if e.code != checkpoints.STOPPED:
             raise
         code = e.code
@@ -297,8 +298,6 @@ def run_distributed(main):
         reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
         raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
                          f"answering; see the launcher's log for which, then rerun with --resume")
-    finally:  # however the run ends, what the trackers were given is written (the exit below skips the atexit's)
-        tracking.close_all()
     if code and torch.distributed.is_initialized():  # stopped by a signal: main() did not reach its own
         torch.distributed.destroy_process_group()
     remove_shm_buffer()

@@ -5,27 +5,26 @@ import math
 
 import torch
 
-from . import loss, preference
+from . import preference
 from .blocks import rank_batches
 
 
 @torch.no_grad()
-def eval_loss_sums(model, blocks, train, process):
+def eval_loss_sums(model, blocks, batch_size, process):
     """(summed loss, predicted tokens) over this rank's share of the eval set, as a float64 tensor to all-reduce;
     for preference pairs (summed pair loss, pairs, loss.scored's metrics' sums). Every rank runs the same number of
     forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is
-    masked out.
-    `train`: flags.Train (--batch-size sequences a rank and pass, the pairs' loss); `process`: training.Process."""
+    masked out. `model`: a loss.CausalLMLoss (or the engine that wraps it); `batch_size`: sequences a rank and pass;
+    `process`: training.Process."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=process.device)
     pairs = None
-    for mine in rank_batches(len(blocks), train.batch_size, process.rank, process.world_size):
-        inputs, targets = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device,
-                                       process.model_config, carry_loss=len(mine) > 0)
+    for mine in rank_batches(len(blocks), batch_size, process.rank, process.world_size):
+        inputs, targets = blocks.batch(mine if len(mine) else [0], process, carry_loss=len(mine) > 0)
         # eagerly under --compile: in eval mode without gradients dynamo compiles every graph anew, which takes
         # longer than most evals run (docs/zero.md)
         with process.autocast, torch.compiler.set_stance("force_eager"):
-            summed = loss.token_loss_sum(model, inputs, targets, train.pair_loss)
+            summed = model(inputs=inputs, targets=targets)
         total[0] += summed.loss.double()
         total[1] += targets.counted
         if summed.pair_metrics is not None:
@@ -34,12 +33,12 @@ def eval_loss_sums(model, blocks, train, process):
     return total if pairs is None else torch.cat([total, pairs.double()])
 
 
-def evaluate(model, blocks, train, process):
+def evaluate(model, blocks, batch_size, process):
     """(eval loss, tokens, None): the mean loss over the eval set's tokens that carry loss (the answers, for prompt/
     completion and chats), every rank evaluating its share; for preference pairs (the mean DPO loss, pairs, TRL's
     metrics: preference.metric_values). It draws no random numbers and leaves the model in training mode: a run that
     evaluates trains exactly as one that does not."""
-    sums = eval_loss_sums(model, blocks, train, process)
+    sums = eval_loss_sums(model, blocks, batch_size, process)
     if process.world_size > 1:
         torch.distributed.all_reduce(sums)
     sums = sums.tolist()

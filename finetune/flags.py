@@ -1,55 +1,83 @@
-"""The command line, parsed once into small frozen pieces: what each module takes is in its signature.
+"""The command line, written once: each flag is a field of the frozen piece it fills (Data, Model, Train, Run, Zero),
+with its default, choices and help, and every script builds its parser from the pieces it takes (add_flags), as
+HfArgumentParser builds one from dataclasses. What each module takes is in its signature: the piece, not the command
+line.
 
-Both scripts add the same flags (data, model, train, run: defined here once) and zero-optimization.py adds its own
-(Zero). `parse` lays --demo's defaults and a --config FILE (JSON or YAML: a recipe kept beside the fork, or a run's
-run.json) under the flags given on the command line and returns a Config whose .data, .model, .train, .run (and
-.zero) are frozen dataclasses; `check` says in one line what cannot run. What setup resolves later (the precision,
-the learning rate, --resume auto) comes back as a new Config (`Config.resolved`): nothing is written into a parsed
-one (docs/config.md).
+`parse` lays --demo's defaults and a --config FILE (JSON or YAML: a recipe kept beside the fork, or a run's run.json)
+under the flags given on the command line and returns a Config whose .data, .model, .train, .run (and .zero) are the
+pieces; `check` says in one line what cannot run. What setup resolves later (the precision, the learning rate,
+--resume auto) comes back as a new Config (`Config.resolved`): nothing is written into a parsed one
+(docs/config.md).
 """
 import argparse
 import dataclasses
 import json
 import os
+import types
 from pathlib import Path
 
 from . import quantization, tracking
-from .base import fail
+from .base import ROOT, fail
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "torch_varlen")  # --attention's choices beside auto
+PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")  # --preference-loss, TRL's names (loss.PairLoss)
+RUN_CONTROL = ("resume", "overwrite", "config", "demo")  # how a run was started, not its recipe: --config skips them
+ZERO3_CONFIG = str(ROOT / "ds_config_zero3.json")
+
+
+def flag(default, help=None, **argparse):
+    """A field that is a flag: its default, its help, and what else argparse takes (choices, nargs, const, metavar;
+    `aliases`: other spellings; `hidden`: not in --help)."""
+    return dataclasses.field(default=default, metadata={"help": help, **argparse})
+
+
+class Piece:
+    @classmethod
+    def taking(cls, *names):
+        """Only these of the piece's flags (a script that takes a few: sequence_classification.py); the others keep
+        their defaults in the piece."""
+        return cls, names
 
 
 @dataclasses.dataclass(frozen=True)
-class Data:
-    dataset: str
-    dataset_config: str | None
-    text_column: str | None
-    prompt_column: str | None
-    completion_column: str | None
-    messages_column: str | None
-    train_on_prompt: bool
-    block_size: int
-    packing: str
-    max_train_samples: int
-    eval_dataset: str | None
-    eval_fraction: float
-    max_eval_samples: int
-    num_proc: int
-    seed: int  # draws the held-out rows (--eval-fraction, --max-eval-samples)
+class Data(Piece):
+    dataset: str = flag("yelp_review_full", "hub name or local .csv/.json/.jsonl/.txt/.parquet")
+    dataset_config: str | None = flag(None, "the hub dataset's subset, if it has several")
+    text_column: str | None = flag(None, "plain text, the loss on every token (default: a column named text)")
+    prompt_column: str | None = flag(None, "the loss on the completion only (default: columns prompt, completion)")
+    completion_column: str | None = flag(None)
+    messages_column: str | None = flag(None, "chats, the loss on the assistant's turns only (default: messages)")
+    train_on_prompt: bool = flag(False, "the loss on prompts and user turns too")
+    block_size: int = flag(512, "tokens per training sequence")
+    packing: str = flag("isolated", "isolated: whole documents per block, each attending to itself; stream: cut a "
+                        "stream", choices=["isolated", "stream", "none"])
+    max_train_samples: int = flag(0, "train on the first N rows only (0: all)")
+    eval_dataset: str | None = flag(None, "a file as --dataset takes, or hub name[:split] (default: the dataset's "
+                                    "validation or test split, else --eval-fraction of its rows)")
+    eval_fraction: float = flag(0.05, "share of the rows held out to evaluate on")
+    max_eval_samples: int = flag(1000, "evaluate on N rows drawn once (0: all)")
+    num_proc: int = flag(0, "processes that tokenize (0: the cores)")
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
-    model: str
-    trust_remote_code: bool
-    precision: str  # auto until setup resolves it (hardware.choose_precision)
-    gradient_checkpointing: bool
-    compile: bool
-    attention: str  # auto: hardware.attention's choice
-    loss_chunk: int
-    lora_rank: int
-    lora_alpha: float
-    lora_targets: str
-    load_in_4bit: bool
-    load_in_8bit: bool
+class Model(Piece):
+    model: str = flag("facebook/opt-125m", "hub id or local folder of a causal LM")
+    trust_remote_code: bool = flag(False, "allow a model that ships its own code")
+    precision: str = flag("auto", "auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs",  # resolved in setup
+                          choices=["auto", "fp32", "tf32", "bf16", "fp16"])
+    gradient_checkpointing: bool = flag(False, "recompute activations: less memory, slower")
+    compile: bool = flag(False, "torch.compile: faster steps after a slow first one")
+    attention: str = flag("auto", "auto: FlashAttention's varlen kernel on Ampere+ GPUs in 16 bits (flash-attn's, "
+                          "else torch's where the model fits it), else SDPA (docs/gpu.md)",
+                          choices=["auto", *ATTENTION])
+    loss_chunk: int = flag(1024, "tokens per piece of the loss, so the logits of all tokens never exist at once (0: at "
+                           "once)")
+    lora_rank: int = flag(0, "train LoRA adapters of this rank (0: every weight)")
+    lora_alpha: float = flag(32, "the adapters' scale is alpha / rank")
+    lora_targets: str = flag("all-linear", "comma-separated module names (default: every linear layer of attention "
+                             "and MLP)")
+    load_in_4bit: bool = flag(False, "QLoRA: the frozen base in 4 bits (NF4), adapters in 32")
+    load_in_8bit: bool = flag(False, "the frozen base of LoRA in 8 bits (LLM.int8)")
 
     @property
     def bits(self):
@@ -58,54 +86,67 @@ class Model:
 
 
 @dataclasses.dataclass(frozen=True)
-class Train:
-    batch_size: int
-    grad_accum: int
-    lr: float | None  # None until setup resolves it from the data (preference.learning_rate)
-    beta: float
-    preference_loss: str
-    label_smoothing: float
-    simpo_gamma: float
-    sft_weight: float
-    weight_decay: float
-    warmup_ratio: float
-    max_grad_norm: float
-    epochs: float
-    max_steps: int
-    seed: int
-
-    @property
-    def pair_loss(self):
-        """How preference pairs are scored: loss.PairLoss from --preference-loss and its settings."""
-        from .loss import PairLoss
-        return PairLoss(self.preference_loss, self.beta, self.label_smoothing, self.simpo_gamma, self.sft_weight)
+class Train(Piece):
+    batch_size: int = flag(8, "sequences per device per micro-step")
+    grad_accum: int = flag(1, "micro-steps per optimizer step")
+    lr: float | None = flag(None, "peak learning rate (default 5e-5; preference pairs 1e-6, with LoRA 5e-6)")
+    beta: float = flag(0.1, "preference pairs (DPO): how far from the reference the model may move (lower: further)")
+    preference_loss: str = flag("sigmoid", "preference pairs: sigmoid (DPO), robust (DPO for noisy labels), ipo, "
+                                "simpo, orpo (these two: no reference model) (docs/preference.md)",
+                                choices=list(PAIR_LOSSES))
+    label_smoothing: float = flag(0.0, "robust: the share of pairs taken as flipped")
+    simpo_gamma: float = flag(0.5, "simpo: the margin between the answers' rewards")
+    sft_weight: float = flag(0.0, "preference pairs: add the chosen answer's negative log-likelihood this many times")
+    weight_decay: float = flag(0.0)
+    warmup_ratio: float = flag(0.05, "share of the steps spent warming up the LR")
+    max_grad_norm: float = flag(1.0, "clip the gradients' norm to this (0: no clipping)")
+    epochs: float = flag(1.0)
+    max_steps: int = flag(0, "optimizer steps; overrides --epochs when > 0")
+    seed: int = flag(42, "the held-out rows' draw, the batches' order, new weights")
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    output_dir: str
-    log_every: int
-    eval_every: int
-    save_every: int
-    keep_checkpoints: int
-    final: str
-    report_to: tuple
-    resume: str | None  # newest or None once checked (auto: newest where a checkpoint is)
-    overwrite: bool
-    prompt: str
-    verbose: bool
-    demo: bool
-    config: str | None
+class Run(Piece):
+    output_dir: str = flag("out/run")
+    log_every: int = flag(10, "optimizer steps between log lines")
+    eval_every: int = flag(500, "optimizer steps between evals (0: at the end only)")
+    save_every: int = flag(500, "optimizer steps between checkpoints (0: none)")
+    keep_checkpoints: int = flag(3, "newest checkpoints kept (0: all), and the best")
+    final: str = flag("last", "what final/ holds: the model after the last step, or the checkpoint with the lowest "
+                      "eval loss", choices=["last", "best"])
+    report_to: tuple = flag(("none",), "trackers that get the losses, LR, throughput, evals (under <output-dir>; "
+                            "W&B: optional)", choices=list(tracking.TRACKERS))
+    resume: str | None = flag(None, "continue from the newest checkpoint in --output-dir (auto: if there is one, "
+                              "else start)", nargs="?", const="newest", choices=["newest", "auto"])
+    overwrite: bool = flag(False, "replace a run already in --output-dir")
+    prompt: str = flag("The food was", "what the trained model answers at the end ('' skips)")
+    verbose: bool = flag(False, "the libraries' warnings and logs too")
+    demo: bool = flag(False, "tiny model + generated data, made on first use (CPU ok)")
+    config: str | None = flag(None, "flags' values from a JSON or YAML file, a run's run.json too (flags given on "
+                              "the command line win)", metavar="FILE")
 
 
 @dataclasses.dataclass(frozen=True)
-class Zero:
-    deepspeed: str
-    zero_stage: int | None
-    offload: str | None
-    nvme_path: str
-    dist_timeout: int
-    sequence_parallel: int
+class Zero(Piece):
+    deepspeed: str | None = flag(ZERO3_CONFIG, "DeepSpeed JSON (alone: ZeRO-3's)", aliases=["--deepspeed_config"],
+                                 nargs="?", const=ZERO3_CONFIG, metavar="CONFIG")
+    zero_stage: int | None = flag(None, "override the config's ZeRO stage", choices=[0, 1, 2, 3])
+    offload: str | None = flag(None, "optimizer (and, stage 3, parameter) offload", choices=["none", "cpu", "nvme"])
+    nvme_path: str = flag("/local_nvme", "folder on a fast local disk for --offload nvme")
+    dist_timeout: int = flag(1800, "seconds a collective waits (a save, a lost rank)")
+    sequence_parallel: int = flag(1, "split each sequence over N ranks: longer blocks")
+    mends: str = flag("all", "DeepSpeed's defects and slow paths mended: all, the fixes only, or none "
+                      "(docs/deepspeed-upstream.md)", choices=["all", "fixes", "none"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Classifier(Piece):
+    label_column: str = flag("label", "the class of each text: integers or strings (strings become class ids)")
+    max_length: int = flag(512, "tokens per text; longer texts are cut")
+
+
+CAUSAL = (Data, Model, Train, Run)  # what single-gpu.py takes (zero-optimization.py: and Zero)
+PIECES = {"data": Data, "model": Model, "train": Train, "run": Run, "zero": Zero, "classifier": Classifier}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,27 +155,30 @@ class Config:
     model: Model
     train: Train
     run: Run
-    zero: Zero | None = None  # zero-optimization.py's
+    zero: Zero | None = None  # a script's that runs DeepSpeed
+    classifier: Classifier | None = None  # sequence_classification.py's
+    taken: frozenset = frozenset()  # the flags this script takes (run.json's "args")
 
     def pieces(self):
-        return [piece for piece in (self.data, self.model, self.train, self.run, self.zero) if piece is not None]
+        return [getattr(self, name) for name in PIECES if getattr(self, name) is not None]
 
     def resolved(self, **values):
-        """A copy with each value in every piece that has a field of its name (--seed is the data's and the
-        training's)."""
+        """A copy with each value in the piece that has a field of its name."""
         changes = {}
-        for field in dataclasses.fields(self):
-            piece = getattr(self, field.name)
+        for field in PIECES:
+            piece = getattr(self, field)
             mine = {k: v for k, v in values.items() if piece is not None and k in _names(piece)}
             if mine:
-                changes[field.name] = dataclasses.replace(piece, **mine)
+                changes[field] = dataclasses.replace(piece, **mine)
         missing = set(values) - {k for piece in changes.values() for k in _names(piece)}
         assert not missing, f"no piece has {sorted(missing)}"
         return dataclasses.replace(self, **changes)
 
     def flat(self):
-        """{flag's name: value} over every piece: run.json's "args", the trackers' configuration, --config's input."""
-        return {k: list(v) if isinstance(v, tuple) else v for p in self.pieces() for k, v in vars(p).items()}
+        """{flag's name: value} of the flags this script takes: run.json's "args", the trackers' configuration,
+        --config's input."""
+        return {k: list(v) if isinstance(v, tuple) else v for p in self.pieces() for k, v in vars(p).items()
+                if k in self.taken}
 
     @property
     def sequence_parallel(self):
@@ -146,96 +190,44 @@ def _names(piece):
     return {f.name for f in dataclasses.fields(piece)}
 
 
-def add_flags(p, output_dir):
-    """The flags both scripts take, one group per piece (`--help` shows them grouped)."""
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="yelp_review_full", help="hub name or local .csv/.json/.jsonl/.txt/.parquet")
-    g.add_argument("--dataset-config", help="the hub dataset's subset, if it has several")
-    g.add_argument("--text-column", help="plain text, the loss on every token (default: a column named text)")
-    g.add_argument("--prompt-column", help="the loss on the completion only (default: columns prompt, completion)")
-    g.add_argument("--completion-column")
-    g.add_argument("--messages-column", help="chats, the loss on the assistant's turns only (default: messages)")
-    g.add_argument("--train-on-prompt", action="store_true", help="the loss on prompts and user turns too")
-    g.add_argument("--block-size", type=int, default=512, help="tokens per training sequence")
-    g.add_argument("--packing", default="isolated", choices=["isolated", "stream", "none"],
-                   help="isolated: whole documents per block, each attending to itself; stream: cut a stream")
-    g.add_argument("--max-train-samples", type=int, default=0, help="train on the first N rows only (0: all)")
-    g.add_argument("--eval-dataset", help="a file as --dataset takes, or hub name[:split] (default: the dataset's "
-                                          "validation or test split, else --eval-fraction of its rows)")
-    g.add_argument("--eval-fraction", type=float, default=0.05, help="share of the rows held out to evaluate on")
-    g.add_argument("--max-eval-samples", type=int, default=1000, help="evaluate on N rows drawn once (0: all)")
-    g.add_argument("--num-proc", type=int, default=0, help="processes that tokenize (0: the cores)")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="facebook/opt-125m", help="hub id or local folder of a causal LM")
-    g.add_argument("--trust-remote-code", action="store_true", help="allow a model that ships its own code")
-    g.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-                   help="auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs")
-    g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations: less memory, slower")
-    g.add_argument("--compile", action="store_true", help="torch.compile: faster steps after a slow first one")
-    g.add_argument("--attention", default="auto", choices=["auto", *ATTENTION],
-                   help="auto: FlashAttention's varlen kernel on Ampere+ GPUs in 16 bits (flash-attn's, else torch's "
-                        "where the model fits it), else SDPA (docs/gpu.md)")
-    g.add_argument("--loss-chunk", type=int, default=1024,
-                   help="tokens per piece of the loss, so the logits of all tokens never exist at once (0: at once)")
-    g.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
-    g.add_argument("--lora-alpha", type=float, default=32, help="the adapters' scale is alpha / rank")
-    g.add_argument("--lora-targets", default="all-linear", help="comma-separated module names (default: every "
-                                                                "linear layer of attention and MLP)")
-    g.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the frozen base in 4 bits (NF4), adapters in 32")
-    g.add_argument("--load-in-8bit", action="store_true", help="the frozen base of LoRA in 8 bits (LLM.int8)")
-    g = p.add_argument_group("train")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per device per micro-step")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    g.add_argument("--lr", type=float, help="peak learning rate (default 5e-5; preference pairs 1e-6, with LoRA 5e-6)")
-    g.add_argument("--beta", type=float, default=0.1, help="preference pairs (DPO): how far from the reference the "
-                                                           "model may move (lower: further)")
-    g.add_argument("--preference-loss", default="sigmoid", choices=PAIR_LOSSES,
-                   help="preference pairs: sigmoid (DPO), robust (DPO for noisy labels), ipo, simpo, orpo (these two: "
-                        "no reference model) (docs/preference.md)")
-    g.add_argument("--label-smoothing", type=float, default=0.0, help="robust: the share of pairs taken as flipped")
-    g.add_argument("--simpo-gamma", type=float, default=0.5, help="simpo: the margin between the answers' rewards")
-    g.add_argument("--sft-weight", type=float, default=0.0,
-                   help="preference pairs: add the chosen answer's negative log-likelihood this many times")
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of the steps spent warming up the LR")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradients' norm to this (0: no clipping)")
-    g.add_argument("--epochs", type=float, default=1)
-    g.add_argument("--max-steps", type=int, default=0, help="optimizer steps; overrides --epochs when > 0")
-    g.add_argument("--seed", type=int, default=42)
-    g = p.add_argument_group("run")
-    g.add_argument("--output-dir", default=output_dir)
-    g.add_argument("--log-every", type=int, default=10, help="optimizer steps between log lines")
-    g.add_argument("--eval-every", type=int, default=500, help="optimizer steps between evals (0: at the end only)")
-    g.add_argument("--save-every", type=int, default=500, help="optimizer steps between checkpoints (0: none)")
-    g.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept (0: all), and the best")
-    g.add_argument("--final", default="last", choices=["last", "best"],
-                   help="what final/ holds: the model after the last step, or the checkpoint with the lowest eval loss")
-    g.add_argument("--report-to", nargs="+", default=["none"], choices=tracking.TRACKERS,
-                   help="trackers that get the losses, LR, throughput, evals (under <output-dir>; W&B: optional)")
-    g.add_argument("--resume", nargs="?", const="newest", choices=["newest", "auto"],
-                   help="continue from the newest checkpoint in --output-dir (auto: if there is one, else start)")
-    g.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
-    g.add_argument("--prompt", default="The food was", help="what the trained model answers at the end ('' skips)")
-    g.add_argument("--verbose", action="store_true", help="the libraries' warnings and logs too")
-    g.add_argument("--demo", action="store_true", help="tiny model + generated questions about reviews (CPU ok)")
-    g.add_argument("--config", metavar="FILE", help="flags' values from a JSON or YAML file, a run's run.json too "
-                                                    "(flags given on the command line win)")
+def add_flags(p, *pieces, **defaults):
+    """Each piece's fields as flags, a group a piece (`--help` shows them grouped): `--name-with-hyphens`, its type
+    from the field's, its default, choices and help from the field. A piece is a class (all its flags) or
+    Class.taking(names); `defaults`: this script's own (output_dir, ...)."""
+    for piece in pieces:
+        cls, names = piece if isinstance(piece, tuple) else (piece, None)
+        group = p.add_argument_group(cls.__name__.lower())
+        for field in dataclasses.fields(cls):
+            if names is None or field.name in names:
+                add_flag(group, field)
+    if any((piece if isinstance(piece, type) else piece[0]) is Zero for piece in pieces):
+        p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    p.set_defaults(**defaults)
 
 
-ATTENTION = ("sdpa", "eager", "flash_attention_2", "torch_varlen")  # --attention's choices beside auto
-PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")  # --preference-loss, TRL's names (loss.PairLoss)
-RUN_CONTROL = ("resume", "overwrite", "config", "demo")  # how a run was started, not its recipe: --config skips them
+def add_flag(group, field):
+    meta = dict(field.metadata)
+    names = [f"--{field.name.replace('_', '-')}", *meta.pop("aliases", [])]
+    kinds = [k for k in getattr(field.type, "__args__", [field.type]) if k is not type(None)]
+    kind = kinds[0] if isinstance(field.type, types.UnionType) else field.type
+    if kind is bool:
+        group.add_argument(*names, action="store_true", help=meta["help"])
+    elif kind is tuple:
+        group.add_argument(*names, nargs="+", default=list(field.default), **meta)
+    else:
+        group.add_argument(*names, type=kind, default=field.default, **meta)
 
 
-def parse(p, argv=None):
+def parse(p, argv=None, demo_defaults=None):
     """The Config of a command line: the flags' defaults, under --demo's, under --config FILE's, under the flags
-    given (the same layering the HF Trainer's users know from a JSON of TrainingArguments)."""
+    given (the same layering the HF Trainer's users know from a JSON of TrainingArguments). `demo_defaults`: --demo's
+    values (default: the causal LM demo's)."""
     args = p.parse_args(argv)
     recipe = read_recipe(args.config, p) if args.config else {}
     if args.demo or recipe.get("demo"):
-        from . import demo  # builds the demo's files on first use
+        from .internals import demo  # builds the demo's files on first use
 
-        p.set_defaults(**demo.defaults())
+        p.set_defaults(**(demo_defaults or demo.defaults)())
     if args.demo or recipe:
         p.set_defaults(**recipe)
         args = p.parse_args(argv)
@@ -244,7 +236,8 @@ def parse(p, argv=None):
 
 def read_recipe(path, p):
     """--config FILE's values by flag name: a JSON or YAML mapping, or run.json (its "args"); one line for what is
-    not a flag of this script or not a value it takes."""
+    no flag of this project or not a value it takes. Another script's flags are left to it (a ZeRO run's recipe in
+    single-gpu.py)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -257,8 +250,8 @@ def read_recipe(path, p):
         fail(f"--config {path}: it holds no mapping of flag names to values")
     actions = {a.dest: a for a in p._actions}
     values = {k.replace("-", "_").lstrip("_"): v for k, v in values.items()}
-    other_script = {f.name for f in dataclasses.fields(Zero)} - set(actions)  # a ZeRO run's recipe in single-gpu.py
-    unknown = sorted(set(values) - set(actions) - other_script - {"help"})
+    project = {f.name for cls in PIECES.values() for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(actions) - project - {"help"})
     if unknown:
         fail(f"--config {path}: {', '.join(unknown)} {'is not a flag' if len(unknown) == 1 else 'are not flags'} of "
              f"this script (see --help)")
@@ -279,20 +272,22 @@ def _yaml(text):
 
 
 def build(args):
-    """The pieces from argparse's values: each dataclass takes the flags named as its fields."""
-    given = vars(args)
-    take = lambda cls: cls(**{f.name: _frozen(given[f.name]) for f in dataclasses.fields(cls)})
-    return Config(take(Data), take(Model), take(Train), take(Run), take(Zero) if "deepspeed" in given else None)
+    """The pieces from argparse's values: each takes the flags named as its fields (those a script does not take
+    keep their defaults); Zero and Classifier only where the script takes any of their flags."""
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()}
+    pieces = {}
+    for name, cls in PIECES.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        if cls in CAUSAL or names & set(given):
+            pieces[name] = cls(**{k: given[k] for k in names & set(given)})
+    fields = {f.name for cls in PIECES.values() for f in dataclasses.fields(cls)}
+    return Config(**pieces, taken=frozenset(given) & fields)
 
 
-def _frozen(value):
-    return tuple(value) if isinstance(value, list) else value
-
-
-def defaults(output_dir="out/single-gpu", **values):
+def defaults(**values):
     """single-gpu.py's Config with no flag given, then `values` in their pieces (tests, notebooks)."""
     p = argparse.ArgumentParser()
-    add_flags(p, output_dir)
+    add_flags(p, *CAUSAL, output_dir="out/single-gpu")
     return build(p.parse_args([])).resolved(**values)
 
 
@@ -327,7 +322,14 @@ def check(config, max_positions):
         fail("--block-size must be at least 2 (a token and the next one to predict)")
     if max_positions and data.block_size > max_positions:
         fail(f"--block-size {data.block_size} is beyond the model's {max_positions} positions; lower it")
-    if run.resume == "auto":  # one command line for the first submission and every requeue (--overwrite: start over)
+    return resolve_resume(config)
+
+
+def resolve_resume(config):
+    """--resume auto: newest where a checkpoint is, else a fresh start (one command line for the first submission and
+    every requeue; --overwrite: start over)."""
+    run = config.run
+    if run.resume == "auto":
         has = not run.overwrite and (Path(run.output_dir) / "checkpoints" / "latest").exists()
         return config.resolved(resume="newest" if has else None)
     return config

@@ -91,15 +91,6 @@ def pinned_copies(device_type):
     return device_type == "cuda"
 
 
-def to_device(array, device):
-    """A host array on the device: pinned and asynchronous where that lets the host run ahead (pinned_copies). torch's
-    pinned memory pool keeps the block until the copy has run."""
-    tensor = torch.from_numpy(array)
-    if pinned_copies(device.type):
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 def autocast(device, precision):
     """Mixed precision for bf16 and fp16 (the weights stay fp32, matmuls run in 16 bits); nothing otherwise."""
     if precision not in AUTOCAST_DTYPES:

@@ -1,16 +1,17 @@
-"""The training loss: summed next-token cross-entropy over the tokens that carry loss, computed a chunk of tokens at
-a time from the model's final hidden states, so that the logits of all tokens (tokens x vocabulary: 1.6 GB in fp32
-for OPT at 16 x 512 tokens, far more at Llama-3's 128k vocabulary) and their gradient never exist at once.
+"""The training loss, a module the scripts see and call: CausalLMLoss(model)(inputs, targets) is the summed
+next-token cross-entropy over the tokens that carry loss (preference pairs: their summed preference loss), computed a
+chunk of tokens at a time from the model's final hidden states, so that the logits of all tokens (tokens x
+vocabulary: 1.6 GB in fp32 for OPT at 16 x 512 tokens, far more at Llama-3's 128k vocabulary) and their gradient
+never exist at once.
 
-How: attach() gives the model a forward that, when called with `loss_targets`, runs the backbone, keeps the hidden
-states of the positions that carry loss only, and hands them with the output head's weight to LinearCrossEntropy:
-for each chunk it makes the chunk's logits, the loss, and at once their gradient (the softmax minus the one-hot
-target, written over the logits), and from it the gradients of the hidden states and of the head's weight. So
-nothing is recomputed in the backward pass and no separate softmax backward runs (the approach of Liger-Kernel's
-fused linear cross-entropy, written here in plain PyTorch). It is the model's own forward, so a DeepSpeed engine
-calls it: under ZeRO-3 reading the head's weight inside the forward gathers it (and its gradient goes back whole to
-ZeRO's reduction), and the engine's bookkeeping (gradient accumulation) runs. --loss-chunk 0 is the plain path: all
-logits at once, as transformers computes them.
+How: the backbone runs, the hidden states of the positions that carry loss are kept, and they go with the output
+head's weight to LinearCrossEntropy: for each chunk it makes the chunk's logits, the loss, and at once their gradient
+(the softmax minus the one-hot target, written over the logits), and from it the gradients of the hidden states and
+of the head's weight. So nothing is recomputed in the backward pass and no separate softmax backward runs (the
+approach of Liger-Kernel's fused linear cross-entropy, written here in plain PyTorch). CausalLMLoss is the module a
+DeepSpeed engine wraps, so under ZeRO-3 reading the head's weight inside its forward gathers it (and its gradient goes
+back whole to ZeRO's reduction), and the engine's bookkeeping (gradient accumulation) runs. --loss-chunk 0 is the
+plain path: all logits at once, as transformers computes them.
 
 Preference pairs (preference.py) take the same two paths to their loss (PairLoss: DPO's, or another
 --preference-loss): each answer's log-probability is the sum over its tokens, and the loss of a pair compares the two
@@ -19,7 +20,6 @@ log-probabilities first, then the pairs' losses and the weight each token's grad
 pass over the chunks, unless the head is frozen) the weighted gradients.
 """
 import dataclasses
-import types
 from typing import NamedTuple
 
 import torch
@@ -37,33 +37,62 @@ def postprocessed_logits(config):
     return next((name for name in LOGIT_POSTPROCESSING if getattr(text, name, None) not in (None, 1, 1.0)), None)
 
 
-def attach(model, chunk_tokens):
-    """Give the causal LM (the transformers model, inside any peft wrapper) the forward described above."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if postprocessed_logits(inner.config):
-        chunk_tokens = 0
-    original = inner.forward
-    head = inner.get_output_embeddings()
-    if chunk_tokens and hasattr(head.weight, "ds_id"):
-        # ZeRO-3 gathers a module's weights around its own forward; the loss below reads the head's weight outside
-        # it: name the head's parameters as the model's own, so they are gathered around the model's forward
-        # (parameter_offload.py)
-        import deepspeed
-        for p in (head.weight, head.bias):
-            if p is not None:
-                deepspeed.zero.register_external_parameter(inner, p)
+class CausalLMLoss(torch.nn.Module):
+    """The causal LM with its loss, the module the scripts train and DeepSpeed wraps: forward(inputs, targets) is a
+    batch's summed loss (a Summed; `inputs`, `targets` as blocks.Blocks.batch makes them). The scripts divide it by
+    the global batch's count of tokens that carry loss (preference pairs: of pairs), so every token weighs the same
+    however the batch is split over micro-steps and ranks. For preference pairs whose reference is not scored yet
+    (targets.reference None: preference.reference) it is their (pairs, 2) log-probabilities.
 
-    def forward(self, *args, loss_targets=None, pair_loss=None, **kwargs):
-        if loss_targets is None:  # generate(), or any other caller: the model as it was
-            return original(*args, **kwargs)
-        kwargs = {k: v for k, v in kwargs.items() if v is not None and k not in ("labels", "return_dict")}
-        if not chunk_tokens:
-            return plain_loss(original(*args, **kwargs).logits, loss_targets, pair_loss)
-        hidden = self.base_model(*args, **kwargs)[0]
-        return chunked_loss(hidden, self.get_output_embeddings(), chunk_tokens, loss_targets, pair_loss)
+    It holds the model's own submodules under the model's names, not under a prefix of its own: its state dict,
+    DeepSpeed's checkpoints (and zero_to_fp32's weights) name every weight as the model does, and checkpoints written
+    before it existed load. The model itself (generate, save_pretrained, peft's adapters): `causal_lm`. Called by
+    keyword, model(inputs=..., targets=...): ZeRO-3 takes a module's positional inputs through autograd functions of
+    its own (5 operations and 190 Python calls a step at OPT-125m's shape)."""
 
-    inner.forward = types.MethodType(forward, inner)  # on the instance: the state dict keeps its names
-    return model
+    def __init__(self, causal_lm, chunk_tokens, pair_loss=None):
+        super().__init__()
+        self.__dict__["causal_lm"] = causal_lm  # not a submodule of ours: its submodules are, under its names
+        self._parameters, self._buffers, self._modules = causal_lm._parameters, causal_lm._buffers, causal_lm._modules
+        # (the transformers model: under peft's wrapper where there are adapters)
+        self.__dict__["lm"] = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+        self.chunk_tokens = 0 if postprocessed_logits(self.lm.config) else chunk_tokens
+        self.pair_loss = pair_loss
+        head = self.lm.get_output_embeddings()
+        if self.chunk_tokens and hasattr(head.weight, "ds_id"):
+            # ZeRO-3 gathers a module's weights around its own forward; the loss reads the head's weight outside the
+            # head's: name the head's parameters as this module's own, so they are gathered around this forward
+            # (parameter_offload.py)
+            import deepspeed
+            for p in (head.weight, head.bias):
+                if p is not None:
+                    deepspeed.zero.register_external_parameter(self, p)
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def train(self, mode=True):
+        self.causal_lm.training = self.lm.training = mode  # (the submodules are ours: super() sets theirs)
+        return super().train(mode)
+
+    def forward(self, inputs, targets):
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        if self.chunk_tokens:
+            hidden = self.lm.base_model(**inputs)[0]
+            out = chunked_loss(hidden, self.lm.get_output_embeddings(), self.chunk_tokens, targets, self.pair_loss)
+        else:
+            out = plain_loss(self.lm(**inputs).logits, targets, self.pair_loss)
+        if targets.sequence is not None and targets.reference is None:
+            return out  # the reference pass (preference.reference): the pairs' log-probabilities
+        return Summed(*out) if isinstance(out, tuple) else Summed(out)
+
+
+def causal_lm(model):
+    """The transformers model (under peft's wrapper where there are adapters) inside a DeepSpeed engine (.module)
+    and a CausalLMLoss (.causal_lm): what generates, saves and says what it is."""
+    model = getattr(model, "module", model)
+    return getattr(model, "causal_lm", model)
 
 
 def plain_loss(logits, targets, pair_loss=None):
@@ -161,16 +190,6 @@ class Summed(NamedTuple):
     pair_metrics: torch.Tensor | None = None
 
 
-def token_loss_sum(model, inputs, targets, pair_loss=None):
-    """The summed loss of a batch (a Summed): `targets` as blocks.Blocks.batch makes them. The scripts divide it by
-    the global batch's count of tokens that carry loss, so every token weighs the same however the batch is split
-    over micro-steps and ranks. Preference pairs: the summed preference loss (`pair_loss`, a PairLoss: DPO's with
-    --beta, or another --preference-loss) of the batch's pairs, divided by the global batch's count of pairs
-    (blocks.py counts pairs for them)."""
-    out = model(**inputs, loss_targets=targets, pair_loss=pair_loss)
-    return Summed(*out) if isinstance(out, tuple) else Summed(out)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Preference pairs: DPO's loss and the others (--preference-loss)
 
@@ -191,6 +210,11 @@ class PairLoss:
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     sft_weight: float = 0.0
+
+    @classmethod
+    def of(cls, train):
+        """From the flags (flags.Train): --preference-loss, --beta, --label-smoothing, --simpo-gamma, --sft-weight."""
+        return cls(train.preference_loss, train.beta, train.label_smoothing, train.simpo_gamma, train.sft_weight)
 
     @property
     def needs_reference(self):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, loss, preference, quantization, varlen
+from . import hardware, loss, preference, quantization
+from .internals import varlen
 from .base import fail
 
 
@@ -20,7 +21,7 @@ def notes(model):
     """What the run does differently for this model, or did not test, in a few words each (said once, at start)."""
     from . import loss
 
-    net = getattr(model, "module", model)
+    net = loss.causal_lm(model)
     net = net.get_base_model() if hasattr(net, "get_base_model") else net
     config, said = net.config, []
     logits = loss.postprocessed_logits(config)
@@ -130,8 +131,8 @@ def load_tokenizer(name, **kwargs):
 
 def prepare_model(model, settings, seed):
     """LoRA (--lora-rank > 0): low-rank adapters on the chosen linear layers through peft; only they train, the
-    base weights are frozen (and kept in 16 bits when the run is bf16/fp16). Then gradient checkpointing, and the
-    chunked loss (loss.py). `settings`: flags.Model; `seed` draws the adapters."""
+    base weights are frozen (and kept in 16 bits when the run is bf16/fp16). Then gradient checkpointing.
+    `settings`: flags.Model; `seed` draws the adapters."""
     if settings.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -162,7 +163,7 @@ def prepare_model(model, settings, seed):
         # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return loss.attach(model, settings.loss_chunk)
+    return model
 
 
 # peft 0.21 renames the targets of a mixture of experts (model types it converts as it does Mixtral's: Qwen3-MoE, OLMoE,
@@ -234,37 +235,38 @@ def save_final(model, tokenizer, folder, state_dict=None):
     merged.merge_and_unload().save_pretrained(folder)
 
 
-def sample(model, tokenizer, prompt, split, device, say, rank, autocast):
+def sample(model, tokenizer, prompt, split, process):
     """The trained model's answer to --prompt: a chat message for chat data, the text as it is otherwise, with the
     tokenizer's own special tokens; for preference pairs, the prompt of the first held-out pair of `split`. With the
-    model in memory, under the run's precision (`autocast`: FlashAttention refuses the fp32 activations of fp32
-    weights): under ZeRO-3 every rank takes part (its layers are gathered one at a time, as in training), so no rank
-    ever holds a whole copy: it runs before rank 0 writes the outputs, so no rank waits on a collective while rank 0
-    saves. A failure here is a line, never a failed run."""
-    if not prompt or not _generates(model, rank):
+    model in memory, under the run's precision (FlashAttention refuses the fp32 activations of fp32 weights): under
+    ZeRO-3 every rank takes part (its layers are gathered one at a time, as in training), so no rank ever holds a
+    whole copy: it runs before rank 0 writes the outputs, so no rank waits on a collective while rank 0 saves. A
+    failure here is a line, never a failed run. `process`: training.Process."""
+    if not prompt or not _generates(model, process.rank):
         return None
     try:
         messages = [{"role": "user", "content": prompt}] if split.format == "messages" else None
         if split.format == "preference" and split.examples:
             messages, prompt, _ = preference.examples_prompt(split.examples[0])
-        answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device, autocast)
-        say(f"sample: {prompt!r} -> {answer!r}")
+        answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), process)
+        process.say(f"sample: {prompt!r} -> {answer!r}")
         return answer
     except Exception as e:  # noqa: BLE001 (any failure: the run itself succeeded)
-        say(f"no sample ({type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})")
+        process.say(f"no sample ({type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''})")
         return None
 
 
-def answers(model, tokenizer, examples, fmt, device, rank, autocast):
-    """The model's answers to the prompts of a few eval rows (chats: the turns before the last assistant's;
+def answers(model, tokenizer, split, process):
+    """The model's answers to the prompts of a few eval rows of `split` (chats: the turns before the last assistant's;
     prompt/completion: the prompt), beside the expected ones, for the trackers at each eval, under the run's
     precision. Greedy: no random number is drawn, so training goes on exactly as without it. None for plain text;
     the exception where it fails (RunStats.log_eval says it once: a view of the run, never a reason to stop it)."""
-    if fmt == "text" or not examples or not _generates(model, rank):
+    fmt = split.format
+    if fmt == "text" or not split.examples or not _generates(model, process.rank):
         return None
     rows = []
     try:
-        for row in examples:
+        for row in split.examples:
             if fmt == "messages":
                 last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
                 messages, expected = row["messages"][:last], row["messages"][last]["content"]
@@ -273,7 +275,7 @@ def answers(model, tokenizer, examples, fmt, device, rank, autocast):
                 messages, prompt, expected = preference.examples_prompt(row)
             else:
                 messages, prompt, expected = None, row["prompt"], row["completion"]
-            answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), device, autocast)
+            answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), process)
             rows.append({"prompt": prompt, "expected": expected, "answer": answer})
     except Exception as e:  # noqa: BLE001
         return e
@@ -294,10 +296,10 @@ def _prompt_ids(tokenizer, messages, prompt):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _generate(model, tokenizer, ids, device, autocast, max_new_tokens=40):
+def _generate(model, tokenizer, ids, process, max_new_tokens=40):
     """Greedy decoding of the model in memory, within its positions; it is left in the mode it was in."""
     engine = model if hasattr(model, "zero_optimization_partition_weights") else None
-    net = getattr(model, "module", model)
+    net = loss.causal_lm(model)
     positions = getattr(hardware.text_config(net.config), "max_position_embeddings", None)
     if positions:
         ids, max_new_tokens = ids[-(positions - 1):], min(max_new_tokens, positions - min(len(ids), positions - 1))
@@ -305,30 +307,27 @@ def _generate(model, tokenizer, ids, device, autocast, max_new_tokens=40):
     was_training = net.training
     net.eval()
     try:
-        with torch.no_grad(), autocast, torch.compiler.set_stance("force_eager"):  # as the evals (training.py)
-            out = net.generate(input_ids=torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+        with torch.no_grad(), process.autocast, torch.compiler.set_stance("force_eager"):  # as the evals
+            out = net.generate(input_ids=torch.tensor([ids], device=process.device), max_new_tokens=max_new_tokens,
                                do_sample=False, pad_token_id=tokenizer.pad_token_id, synced_gpus=synced)
     except Exception as e:
         if synced:
-            global _generations_failed
-            _generations_failed += 1
-            _failed_together(e, torch.distributed.distributed_c10d._get_default_store(), torch.distributed.get_rank(),
-                             torch.distributed.get_world_size(), _generations_failed)
+            _failed_together(e, torch.distributed.distributed_c10d._get_default_store(), process)
         raise
     finally:
         net.train(was_training)
     return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True).strip()
 
 
-_generations_failed = 0  # under ZeRO-3: how many generations failed on this rank, the same count on every rank
-
-
-def _failed_together(error, store, rank, world_size, failure, wait_s=20.0):
+def _failed_together(error, store, process, wait_s=20.0):
     """Under ZeRO-3 every rank generates together, gathering each layer's shards from all the others. A failure on
     every rank (the same forward fails the same way everywhere) is a line, as in one process; on some ranks only (an
     out-of-memory), the others wait in a gather this rank will never join, until --dist-timeout: end the run now
     instead, naming the ranks. The ranks that failed count themselves in the rendezvous store, whose calls need no
-    collective, and wait a few seconds for the rest (`failure`: this rank's count of failed generations)."""
+    collective, and wait a few seconds for the rest. Each rank's own count of its failed generations, kept in the
+    store too, names the failure: the same on every rank where they fail together."""
+    rank, world_size = process.rank, process.world_size
+    failure = store.add(f"finetune/generation-failures/rank-{rank}", 1)
     key = f"finetune/generation-failed/{failure}"
     failed, deadline = store.add(key, 1), time.monotonic() + wait_s
     while failed < world_size and time.monotonic() < deadline:
@@ -344,7 +343,7 @@ def _failed_together(error, store, rank, world_size, failure, wait_s=20.0):
 def held_bytes(model, optimizer):
     """Bytes of model state this rank holds, for each rank: parameters (under ZeRO-3 their shards), gradients and
     the optimizer's state and buffers, each storage counted once. plan.py plans this figure."""
-    from . import memory
+    from .internals import memory
 
     held = memory.held_bytes(model, optimizer)
     if torch.distributed.is_initialized():

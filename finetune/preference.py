@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import hangs
 from .base import fail
+from .loss import PairLoss
 from .blocks import rank_batches
 
 COLUMNS = ("prompt", "chosen", "rejected")
@@ -227,7 +227,7 @@ def reference(model, splits, config, out, process):
         fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
     rank, world_size = process.rank, process.world_size
     without_dropout(model)
-    if not config.train.pair_loss.needs_reference:  # simpo, orpo: no reference model, nothing to score or keep
+    if not PairLoss.of(config.train).needs_reference:  # simpo, orpo: no reference model, nothing to score or keep
         return [split.with_reference(torch.zeros(split.pairs_total, 2)) for split in splits]
     path, tensors, made_of = out / "reference.pt", None, fingerprint(splits, config.model)
     if config.run.resume and rank == 0:  # a run that starts (an earlier run's file included) scores them anew
@@ -299,12 +299,11 @@ def _scores(model, blocks, batch_size, process):
     model.eval()
     scores = torch.zeros(blocks.pairs_total, 2, dtype=torch.float64, device=process.device)
     for mine in rank_batches(len(blocks), batch_size, process.rank, process.world_size):
-        inputs, targets = blocks.batch(mine if len(mine) else [0], process.pad_id, process.device, process.model_config)
-        hangs.progress()
+        inputs, targets = blocks.batch(mine if len(mine) else [0], process)
         # eagerly under --compile: one pass, in shapes and a grad mode the training never runs, compiled for each
         # batch shape would take longer than it runs (200 pairs on a CPU: 40 s against 0.2 s)
         with process.autocast, torch.compiler.set_stance("force_eager"):
-            logps = model(**inputs, loss_targets=targets)
+            logps = model(inputs=inputs, targets=targets)  # (targets.reference None: the log-probabilities)
         if len(mine):
             scores[torch.from_numpy(blocks.pair_ids(mine)).to(process.device)] = logps.view(-1, 2).double()
     model.train()

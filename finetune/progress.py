@@ -8,12 +8,14 @@ import dataclasses
 import math
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 
 import torch
 
-from . import hangs, hardware, models, preference, tracking
+from . import hardware, loss, models, preference, tracking
+from .internals import hangs
 from .base import fail, write_json
 from .evaluation import perplexity
 
@@ -47,15 +49,21 @@ class Record:
 
 
 class Watch:
-    """The hang watchdog's lifecycle (hangs.py), on several ranks with a bound on their collectives (--dist-timeout):
-    beaten at each step's end, paused around what that bound covers (a checkpoint, an evaluation: minutes), stopped
-    after the last step. Nothing in a world of one, or without the bound (single-gpu.py)."""
+    """The hang watchdog's lifecycle (internals/hangs.py), on several ranks with a bound on their collectives
+    (--dist-timeout): told of each micro-step (progress), beaten at each step's end, paused around what that bound
+    covers (a checkpoint, an evaluation: minutes), stopped after the last step. Nothing in a world of one, or without
+    the bound (single-gpu.py). `hung`: set once this rank has reported a hang (training.Stop reads it)."""
 
-    def __init__(self, out, dist_timeout, rank, ranks):
-        self.dog = None
+    def __init__(self, out, dist_timeout, rank, ranks, trackers):
+        self.dog, self.hung = None, threading.Event()
         if ranks > 1 and dist_timeout:
             store = torch.distributed.distributed_c10d._get_default_store()
-            self.dog = hangs.Watchdog(out, dist_timeout, rank, ranks, store)
+            self.dog = hangs.Watchdog(out, dist_timeout, rank, ranks, store=store, before_exit=trackers.close)
+            self.hung = self.dog.reported
+
+    def progress(self):
+        if self.dog:
+            self.dog.progress()
 
     def beat(self, step):
         if self.dog:
@@ -79,7 +87,7 @@ class RunStats:
 
     def __init__(self, model, config, process):
         self.model_config, self.run, self.device, self.model = process.model_config, config.run, process.device, model
-        inner = getattr(model, "module", model)
+        inner = loss.causal_lm(model)
         numel = hardware.values
         self.total = sum(numel(p) for p in {id(p): p for p in inner.parameters()}.values())
         self.trainable = sum(numel(p) for p in {id(p): p for p in inner.parameters() if p.requires_grad}.values())
@@ -99,24 +107,27 @@ class RunStats:
         self.rank, self.ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.rank_memory = [0.0] * self.ranks  # each rank's peak memory (GiB), brought over with the losses
         self.trackers = tracking.Trackers(self.run.report_to, self.run.output_dir, config.flat(), self.rank)
-        self.watch = Watch(self.run.output_dir, config.zero and config.zero.dist_timeout, self.rank, self.ranks)
+        self.watch = Watch(self.run.output_dir, config.zero and config.zero.dist_timeout, self.rank, self.ranks,
+                           self.trackers)
+        self.profiler = Profiler(os.environ.get("TRAIN_PROFILE"), self.rank)
 
     def describe(self):
         share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
-        active = self.matmul_params < hardware.matmul_params(self.model, all_experts=True)
+        active = self.matmul_params < hardware.matmul_params(loss.causal_lm(self.model), all_experts=True)
         share += f", {self.matmul_params / 1e6:.2f}M active per token" if active else ""
         peak = f" | MFU against {self.peak[1]}" if self.peak else ""
         return " | ".join([f"{self.total / 1e6:.1f}M parameters, {share}{peak}", *models.notes(self.model)])
 
     def micro_step(self, summed):
-        """A micro-step's loss is made (a loss.Summed): progress for the hang watchdog (hangs.py), however long a step
-        of many micro-steps takes; preference pairs: their metrics' sums, added up over the step."""
-        hangs.progress()
+        """A micro-step's loss is made (a loss.Summed): progress for the hang watchdog (internals/hangs.py), however
+        long a step of many micro-steps takes; preference pairs: their metrics' sums, added up over the step."""
+        self.watch.progress()
         if summed.pair_metrics is not None:
             self.step_pairs = summed.pair_metrics + (0 if self.step_pairs is None else self.step_pairs)
 
     def end_step(self, step_loss, blocks, indices, grad_norm):
-        """grad_norm: the step's gradient norm before clipping (a tensor or a float; read at the next log line)."""
+        """grad_norm: the step's gradient norm before clipping (a tensor or a float, read at the next log line; None
+        where the engine has none: ZeRO-0 under --mends none)."""
         self.record.step += 1
         self.pending.append(step_loss)
         self.pending_norms.append(grad_norm)
@@ -125,7 +136,7 @@ class RunStats:
             self.pending_pairs.append(torch.cat([sums, sums.new_tensor([blocks.predicted[indices].sum()])]))
         self.interval_tokens += int(blocks.lengths[indices].sum())
         self.interval_attended += int(blocks.attended[indices].sum())
-        profile(self.record.step)
+        self.profiler.step_done(self.record.step)
         self.watch.beat(self.record.step)
 
 
@@ -154,7 +165,7 @@ class RunStats:
         self.pending_pairs = []
         first = len(record.losses) + 1
         record.losses += losses.tolist()
-        record.grad_norms += [float(norm) for norm in self.pending_norms]  # the same on every rank
+        record.grad_norms += [math.nan if norm is None else float(norm) for norm in self.pending_norms]  # every rank's
         self.pending, self.pending_norms = [], []
         for step in range(first, len(record.losses) + 1):
             self.trackers.log({"train/loss": record.losses[step - 1], "train/grad_norm": record.grad_norms[step - 1]},
@@ -298,7 +309,7 @@ def what_ran(model):
     trainable weights are held in (ZeRO-3: their shards; the engine keeps fp32 masters beside 16-bit ones), gradient
     checkpointing; under DeepSpeed its ZeRO stage, 16-bit mode (its own 16-bit weights, or torch's autocast over fp32
     ones), and the optimizer that steps and where its state is (offload: DeepSpeed's CPU Adam)."""
-    net = getattr(model, "module", model)
+    net = loss.causal_lm(model)
     trainable = next(p for p in net.parameters() if p.requires_grad)
     held = getattr(trainable, "ds_tensor", trainable)
     name = lambda dtype: str(dtype).removeprefix("torch.")
@@ -314,24 +325,28 @@ def what_ran(model):
     return ran
 
 
-def profile(step, first=4, steps=4):
-    """TRAIN_PROFILE=folder: torch.profiler over steps first+1 .. first+steps, each rank's table of where the time went
-    written to folder/profile-rank<r>.txt (bench/BENCHMARKS.md has what it found), and how often each event occurred
-    per step to folder/profile-rank<r>.json (kernel launches, device syncs: bench/gpu.py). Off unless asked."""
-    folder = os.environ.get("TRAIN_PROFILE")
-    if not folder or step not in (first, first + steps):
-        return
-    activities, sort = profiled(torch.cuda.is_available())
-    if step == first:
-        profile.active = torch.profiler.profile(activities=activities, record_shapes=False)
-        profile.active.__enter__()
-        return
-    profile.active.__exit__(None, None, None)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    events = profile.active.key_averages()
-    (Path(folder) / f"profile-rank{rank}.txt").write_text(events.table(sort_by=sort, row_limit=25))
-    write_json(Path(folder) / f"profile-rank{rank}.json", {e.key: e.count / steps for e in events})
+class Profiler:
+    """TRAIN_PROFILE=folder (read once, as the run starts; docs/gpu.md): torch.profiler over steps first+1 ..
+    first+steps, each rank's table of where the time went written to folder/profile-rank<r>.txt (bench/BENCHMARKS.md
+    has what it found), and how often each event occurred per step to folder/profile-rank<r>.json (kernel launches,
+    device syncs: bench/gpu.py). Off unless asked."""
+
+    def __init__(self, folder, rank, first=4, steps=4):
+        self.folder, self.rank, self.first, self.steps, self.active = folder, rank, first, steps, None
+
+    def step_done(self, step):
+        if not self.folder or step not in (self.first, self.first + self.steps):
+            return
+        activities, sort = profiled(torch.cuda.is_available())
+        if step == self.first:
+            self.active = torch.profiler.profile(activities=activities, record_shapes=False)
+            self.active.__enter__()
+            return
+        self.active.__exit__(None, None, None)
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
+        events = self.active.key_averages()
+        (Path(self.folder) / f"profile-rank{self.rank}.txt").write_text(events.table(sort_by=sort, row_limit=25))
+        write_json(Path(self.folder) / f"profile-rank{self.rank}.json", {e.key: e.count / self.steps for e in events})
 
 
 def profiled(cuda):

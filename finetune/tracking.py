@@ -15,12 +15,10 @@ from .base import fail
 TRACKERS = ("none", "tensorboard", "wandb")
 
 
-OPEN = []  # the Trackers of this process that are open: close_all() closes them however the run ends
-
-
 class Trackers:
     """The trackers --report-to names, opened on rank 0 at the first metric (after a resume has restored the step),
-    and closed however the run ends (close_all): finished, stopped by a signal, failed. TensorBoard is flushed at
+    and closed however the run ends: finished (close), stopped by a signal (a checkpoint finished them), failed (at the
+    interpreter's exit), hung (the hang report closes them before it ends the process). TensorBoard is flushed at
     every write, so a SIGKILL (nothing can run then) loses none of it. W&B hands its records to its own service
     process, which writes them in blocks and as the run finishes (measured: a SIGKILL after 200 steps left 103 to
     199 of them, however long after the last one): at each checkpoint its run is finished, and the next metric
@@ -36,7 +34,7 @@ class Trackers:
         """`step`: the last step already done (0, or the step resumed from). Opens those not open."""
         if self.writers is None:
             self.writers = {}
-            OPEN.append(self)
+            atexit.register(self.close)  # however the process leaves but os._exit (a hang report closes them itself)
         if "tensorboard" in self.names and "tensorboard" not in self.writers:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -100,19 +98,7 @@ class Trackers:
             else:
                 writer.finish()
         self.writers, self.closed = {}, True
-        if self in OPEN:
-            OPEN.remove(self)
-
-
-def close_all():
-    """Close the trackers still open, before the process leaves, however it leaves (distributed.run_distributed; at
-    the interpreter's exit for single-gpu.py): a ZeRO run stopped by a signal leaves with os._exit, and its W&B
-    records would never be written."""
-    for trackers in list(OPEN):
-        trackers.close()
-
-
-atexit.register(close_all)
+        atexit.unregister(self.close)
 
 
 def check_wandb(environ, say=True):

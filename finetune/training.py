@@ -1,17 +1,25 @@
-"""What single-gpu.py and zero-optimization.py share to set a run up and is not their lesson: quiet output, what a
-process is, the global batches' order, the optimizer's groups and the LR schedule. (The run's progress: progress.py;
+"""What single-gpu.py and zero-optimization.py share to set a run up and run its loop, and is not their lesson: quiet
+output, what a process is, the global batches' order, the optimizer's groups and the LR schedule, clipping,
+--compile's warm-up, stopping on a signal. (The run's progress: progress.py;
 evaluation: evaluation.py; the run folder and its checkpoints: checkpoints.py.)"""
 import contextlib
 import dataclasses
 import io
 import logging
 import math
+import os
+import signal
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from . import hardware
+from .base import fail, write_json
+from .checkpoints import STOPPED, STOPPED_FILE
+from .internals.hangs import HUNG
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 # fp16's dynamic loss scale, the same as the ds_config files' "fp16" block: start at 2^16, halve at an overflow (and
@@ -50,7 +58,7 @@ def _without_print(build):
     return quiet_build
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Process:
     """What this process is, made once in setup and passed whole: where it computes, its place among the ranks, the
     precision it computes in, how batches are laid out and who prints."""
@@ -61,6 +69,17 @@ class Process:
     pad_id: int  # the tokenizer's padding token
     model_config: Any  # the model's config as loaded: its attention implementation lays the batches out (blocks.py)
     say: Callable = print  # rank 0's printer (the others print nothing)
+    pinned: bool | None = None  # batches through pinned memory (hardware.pinned_copies, decided once from the device)
+
+    def __post_init__(self):
+        if self.pinned is None:
+            object.__setattr__(self, "pinned", hardware.pinned_copies(self.device.type))
+
+    def to_device(self, array):
+        """A host array on this process's device: pinned and asynchronous where that lets the host run ahead. torch's
+        pinned memory pool keeps the block until the copy has run."""
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.pinned else tensor.to(self.device)
 
 
 def split(config, world_size):
@@ -102,11 +121,15 @@ def cosine_schedule(optimizer, warmup_steps, total_steps):
 
 class GlobalBatches:
     """The order of training: optimizer step s trains on the same global batch of blocks whatever the number of
-    ranks, a new seeded shuffle each epoch. Ranks and micro-steps only split it (see the training loops)."""
+    ranks, a new seeded shuffle each epoch. Ranks and micro-steps only split it (see the training loops). Fewer
+    blocks than one global batch is one line."""
 
     def __init__(self, num_blocks, global_batch, seed):
         self.num_blocks, self.global_batch, self.seed = num_blocks, global_batch, seed
         self.steps_per_epoch = num_blocks // global_batch  # a last, partial global batch is dropped
+        if self.steps_per_epoch == 0:
+            fail(f"{num_blocks} training sequences is less than one global batch of {global_batch}; lower "
+                 f"--batch-size or --grad-accum, or add data")
         self._epoch, self._order = None, None
 
     def __call__(self, step):
@@ -143,3 +166,60 @@ class CompileWarmup:
             self.say(f"--compile: {graphs} graph{'s' * (graphs != 1)} compiled in the first {self.STEPS} steps; from "
                      f"here a batch of another shape runs eagerly, never compiled anew")
         return torch.compiler.set_stance("eager_on_recompile")
+
+
+
+class Stop:
+    """SIGTERM (what SLURM, Kubernetes and a spot reclaim send before SIGKILL) and SIGUSR1 (`#SBATCH
+    --signal=USR1@120`, sent to the job's steps) ask the run to stop at the end of the step in flight: every rank
+    stops at the same step, writes its checkpoint as at any --save-every, and the run exits STOPPED. A second signal
+    changes nothing; a kill during the save leaves the previous checkpoint as `latest` (publish_checkpoint).
+
+    `out`/stopped.json says so after the checkpoint (rank 0 writes it; a run that starts removes it): what a batch
+    script reads to requeue the job, whatever exit status a launcher made of 75 on the way."""
+
+    def __init__(self, out, hung=None):
+        """`hung`: an Event the hang watchdog sets once this rank has written its hang report (progress.Watch.hung):
+        a signal then ends the process at once, as it has no step to finish (the launcher is ending it)."""
+        self.signal, self.world, self.marker = None, None, Path(out) / STOPPED_FILE
+        self.hung = hung
+        if os.environ.get("RANK", "0") == "0":
+            self.marker.unlink(missing_ok=True)
+        for number in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(number, self._ask)
+
+    def _world(self):
+        """(ranks, the group they agree on), at the first step's end: the process group may not exist yet when Stop is
+        made (the HF Trainer makes it in TrainingArguments). Every rank gets here at the same step (new_group is a
+        collective). The group is a CPU one: the flag never waits on a GPU's queue of work (no host sync per step)."""
+        if self.world is None:
+            dist = torch.distributed
+            ranks = dist.get_world_size() if dist.is_initialized() else 1
+            self.world = ranks, None if ranks == 1 or dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        return self.world
+
+    def _ask(self, number, frame):
+        if self.hung is not None and self.hung.is_set():  # a hung run has no step to finish
+            os._exit(HUNG)
+        self.signal = self.signal or number
+
+    def due(self):
+        """Whether to stop after this step: a signal reached any rank (only the signalled node knows, on a cluster:
+        a one-element all-reduce tells the others)."""
+        ranks, group = self._world()
+        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+        if ranks > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def exit(self, step, say):
+        """After the checkpoint: every rank has finished (a launcher stops the others as soon as one exits), then
+        leave with STOPPED."""
+        ranks, group = self._world()
+        name = signal.Signals(self.signal).name if self.signal else "a signal to another rank"
+        if os.environ.get("RANK", "0") == "0":  # before the barrier: once a rank leaves, a launcher stops the others
+            write_json(self.marker, {"step": step, "signal": name})
+        if ranks > 1:
+            torch.distributed.barrier(group=group)
+        say(f"stopped by {name} after step {step}, its checkpoint written: rerun with --resume auto to continue")
+        raise SystemExit(STOPPED)

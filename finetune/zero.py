@@ -1,7 +1,7 @@
 """DeepSpeed plumbing for zero-optimization.py (and sequence_classification.py under DeepSpeed) around the engine:
 its autocast, gathering the model, resuming on another number of ranks, sequence parallelism's groups and shards, the
-gradient's divisor. (The config the engine is made with: zero_config.py; its repairs: mends.py; who this process is
-and the entry point: distributed.py.)"""
+gradient's divisor. (The config the engine is made with: zero_config.py; its repairs: internals/mends.py; who this
+process is and the entry point: distributed.py.)"""
 import os
 import shutil
 import subprocess
@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from . import checkpoints, hardware, mends
-from . import sequence_parallel as finetune_sp
+from . import checkpoints, hardware
+from .internals import sequence_parallel as finetune_sp
 from .base import ROOT, fail
 
 
@@ -124,20 +124,14 @@ def grad_norm(engine):
     return float("nan") if norm is None else norm
 
 
-def after_load(engine, folder, rank, train, step, device):
+def after_load(folder, state, process, seed):
     """What load_checkpoint leaves to us: each rank's random state (dropout) as saved, a fresh stream for a rank the
-    checkpoint did not have; and repairs of DeepSpeed 0.19.8's universal load: where each `step` lives
-    (place_optimizer_steps), and under ZeRO-3 (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3) the first
-    group's settings given to every parameter group (weight decay on biases and norms). `train`: flags.Train."""
-    path = (folder.parent if folder.name == "universal" else folder) / f"rng-{rank}.pt"
+    checkpoint did not have (DeepSpeed's universal load is repaired by a mend: universal_load_keeps_steps_and_groups).
+    `state`: load_checkpoint's client state; returns the run's progress it holds (RunStats.restore)."""
+    stats = state["stats"]
+    path = (folder.parent if folder.name == "universal" else folder) / f"rng-{process.rank}.pt"
     if path.exists():
-        checkpoints.set_rng_state(checkpoints.load(path), device)
+        checkpoints.set_rng_state(checkpoints.load(path), process.device)
     else:
-        torch.manual_seed(train.seed + 1_000_003 * step + rank)
-    if folder.name != "universal":
-        return
-    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer inside ZeRO's
-    mends.place_optimizer_steps(optimizer)
-    if engine.zero_optimization_partition_weights():
-        for group, decay in zip(optimizer.param_groups, (train.weight_decay, 0.0)):  # training.param_groups' order
-            group["weight_decay"] = decay
+        torch.manual_seed(seed + 1_000_003 * stats["step"] + process.rank)
+    return stats

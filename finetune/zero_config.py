@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, mends, quantization
-from . import sequence_parallel as finetune_sp
+from . import hardware, quantization
+from .internals import sequence_parallel as finetune_sp
 from .base import ROOT, fail
+from .internals import mends
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER
 
 DEFAULT_CONFIG = ROOT / "ds_config_zero3.json"
@@ -23,14 +24,12 @@ DEFAULT_CONFIG = ROOT / "ds_config_zero3.json"
 def deepspeed_config(flags, world_size, total_steps, warmup_steps, model_config):
     """The config deepspeed.initialize takes, in the steps the module's docstring names. `flags`: the run's Config
     (flags.py), its precision and learning rate resolved; `model_config`: the model's (transformers')."""
-    import deepspeed
-    mends.check_version(deepspeed.__version__)
     path = flags.zero.deepspeed
     config = overridden(read_config(path), flags.zero, flags.sequence_parallel)
     check(config, path, flags, world_size, model_config)
     layer_params = shaped(config, path, flags.model, world_size, model_config)
     fill(config, path, flag_values(config, flags, world_size, total_steps, warmup_steps, model_config, layer_params))
-    mends.muon_only_when_named(config.get("optimizer", {}).get("type", ""))  # before the engine imports it
+    mends.before_engine(config, flags.zero.mends)  # what the engine imports and asks as it is built (--mends)
     return config
 
 
@@ -179,7 +178,7 @@ def tuned_values(stage, hidden_size, cuda, world_size, layer_params=None):
     buckets twice) pays on GPUs only, where it runs the reductions on a side CUDA stream, and only where there is a
     reduction to overlap: on one GPU it would only wait for the side stream after every backward. ZeRO-1/2's
     contiguous_gradients copies each gradient into a reduce bucket and again into the rank's gradient partition as
-    autograd makes it (11 operations a parameter): on one rank there is nothing to reduce (mends.reduce_nothing_alone),
+    autograd makes it (11 operations a parameter): on one rank there is nothing to reduce (mends: reduce_nothing_alone),
     so the gradients stay where autograd put them, as in single-gpu.py (its memory behaviour too)."""
     square = hidden_size * hidden_size
     bucket = square if stage == 3 else max(square, int(2.5e7))
@@ -305,8 +304,6 @@ def choose_optimizer(config, cuda):
     C++ compiler on first use (job/preflight.py --offload checks for what it needs)."""
     params = config.get("optimizer", {}).get("params", {})
     offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
-    if offload:
-        cpu_info_once()
     if params.get("torch_adam") == "auto":
         params["torch_adam"] = not offload
     if params.get("fused") == "auto":  # one kernel over all parameters: no temporaries the size of the model
@@ -315,17 +312,6 @@ def choose_optimizer(config, cuda):
         else:
             params.pop("fused")  # DeepSpeedCPUAdam takes no such argument
     return config
-
-
-def cpu_info_once():
-    """DeepSpeed asks py-cpuinfo about the CPU three times as it builds the optimizer of an offloaded run (twice for
-    CPU Adam's compiler flags, once in the optimizer), on every rank, and py-cpuinfo starts a Python process each time
-    (1.2 s of CPU here). The answer does not change while a process runs: each asks once."""
-    import functools
-
-    import cpuinfo
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def check_offload(zero):

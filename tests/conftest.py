@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import check, launch, long_run  # first: the session's environment (helpers.py)
-from finetune import demo
+from finetune.internals import demo
 
 
 # `make test` runs two files at a time (pytest-xdist, --dist loadfile: a file's module fixtures are made once), each

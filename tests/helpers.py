@@ -158,7 +158,8 @@ def documents_loss(model, argv, split, indices=None):
 
     from finetune import blocks, data, models
     config = load_script("single-gpu.py").parse_args(argv)
-    split_blocks = data.prepare(config.data, models.load_tokenizer(config.model.model))[0 if split == "train" else 1]
+    splits = data.prepare(config.data, models.load_tokenizer(config.model.model), seed=config.train.seed)
+    split_blocks = splits[0 if split == "train" else 1]
     total, count = torch.zeros((), dtype=torch.float64), 0
     for i in range(len(split_blocks)) if indices is None else indices:
         start, length = int(split_blocks.starts[i]), int(split_blocks.lengths[i])
@@ -208,6 +209,17 @@ def dropout_model(tiny, folder):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "dropout": 0.1}))
     return folder
+
+
+def cpu_process(pad_id, model_config, device="cpu"):
+    """training.Process of a test's own batches: this process alone, fp32, on `device`."""
+    import contextlib
+
+    import torch
+
+    from finetune import training
+    return training.Process(device=torch.device(device), rank=0, world_size=1, autocast=contextlib.nullcontext(),
+                            pad_id=pad_id, model_config=model_config)
 
 
 def data_args(dataset, **kw):

@@ -23,7 +23,9 @@ from transformers.integrations import HfDeepSpeedConfig
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import plan  # noqa: E402
-from finetune import distributed, flags, memory, mends, training, zero_config  # noqa: E402
+from finetune import distributed, flags, training, zero_config  # noqa: E402
+from finetune.internals import memory  # noqa: E402
+from finetune.internals import mends  # noqa: E402
 
 OPTIONS = {"ZeRO-0": (0, None), "ZeRO-1": (1, None), "ZeRO-2": (2, None), "ZeRO-3": (3, None),
            "ZeRO-2 + CPU offload": (2, "cpu"), "ZeRO-3 + CPU offload": (3, "cpu"), "ZeRO-3 + NVMe offload": (3, "nvme")}
@@ -37,14 +39,14 @@ def probe(folder, precision, option, world_size, nvme_path=""):
     stage, offload = OPTIONS[option]
     norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) and offload else None
     settings = flags.Zero(deepspeed=str(zero_config.DEFAULT_CONFIG), zero_stage=stage, offload=offload,
-                          nvme_path=nvme_path, dist_timeout=1800, sequence_parallel=1)
+                          nvme_path=nvme_path, dist_timeout=1800, sequence_parallel=1, mends="all")
     run = dataclasses.replace(flags.defaults(batch_size=2, lr=1e-3, precision=precision), zero=settings)
     ds_config = zero_config.deepspeed_config(run, world_size, 10, 1, config)
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # alive while the model loads, as in the script
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config,
                                                    model_parameters=training.param_groups(model, 0.0))
-    mends.mend(engine)  # as zero-optimization.py: ZeRO-1/2's norm makes no fp64 copies (mends.norm_at_once)
+    mends.mend(engine, say=lambda line: None)  # as zero-optimization.py: ZeRO-1/2's norm makes no fp64 copies
     counts = {}
     for step in range(2):
         ids = torch.randint(0, config.vocab_size, (2, 16), device=engine.device)

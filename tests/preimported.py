@@ -22,7 +22,7 @@ PREIMPORTED = ("torch", "numpy", "deepspeed", "deepspeed.comm.torch", "deepspeed
                "transformers", "transformers.trainer", "transformers.integrations.deepspeed",
                "transformers.models.opt.modeling_opt", "peft", "datasets", "accelerate", "safetensors.torch",
                "tqdm", "matplotlib.pyplot", "torch.utils.tensorboard", "finetune.zero", "finetune.zero_config",
-               "finetune.models", "finetune.data", "finetune.distributed", "finetune.demo")
+               "finetune.models", "finetune.data", "finetune.distributed", "finetune.internals.demo")
 GRACE = 10  # seconds the other ranks get to leave on their own once one failed, as a launcher's would
 
 
@@ -31,9 +31,12 @@ def serve():
 
     for name in PREIMPORTED:
         importlib.import_module(name)
-    # what py-cpuinfo says of the CPU, asked once here for every rank's offloaded optimizer (zero_config.cpu_info_once)
-    importlib.import_module("finetune.zero_config").cpu_info_once()
-    importlib.import_module("cpuinfo").get_cpu_info()
+    # what py-cpuinfo says of the CPU, asked once here for every rank's offloaded optimizer (as the mend cpu_info_once
+    # asks it once per process)
+    import functools
+    cpuinfo = importlib.import_module("cpuinfo")
+    cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
+    cpuinfo.get_cpu_info()
     # a fork copies one thread: a lock another thread held would stay held in the child. pyarrow's jemalloc runs a
     # background thread, and jemalloc takes its locks around a fork itself (pthread_atfork): any other is refused
     threads = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]

@@ -1,5 +1,6 @@
 """Checkpoints and resume: on another number of ranks, refused when the global batch or the stage changed, after a
 kill during a save; what publishing keeps; --final best; a NaN loss stops the run; the catalogue of bad input."""
+import dataclasses
 import json
 import os
 import shutil
@@ -8,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune import base, checkpoints, zero
+from finetune import base, checkpoints, flags, zero
 from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
                      crash_after_first_checkpoint, launch, load_script, long_run, results, weights)
 
@@ -319,15 +320,29 @@ BAD = [
 ]
 
 
+def finished_run(out):
+    """A folder as a finished run leaves it (its files' contents stand for theirs), and how to see it is untouched."""
+    for name, text in (("results.json", "{}"), ("loss.png", "png"), ("reference.pt", "pairs"),
+                       ("checkpoints/latest", "step-4"), ("checkpoints/step-4/run.json", "{}"),
+                       ("final/model.safetensors", "weights"), ("tensorboard/events", "curves")):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    return lambda: {str(f.relative_to(out)): f.read_text() for f in sorted(out.rglob("*")) if f.is_file()}
+
+
 @pytest.mark.parametrize("name, make, message", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_catalogue(tiny, tmp_path, name, make, message):
-    out = tmp_path / "out"
+    """Each refusal is one line, and with --overwrite over a finished run it leaves that run as it was: every check
+    that can refuse a run (the model, the adapters, the DeepSpeed config, ...) comes before --overwrite removes it."""
+    out, kept = tmp_path / "out", None
     if make == "pointer":
         (out / "checkpoints").mkdir(parents=True)
         (out / "checkpoints" / "latest").write_text("step-9")
         argv = base_args(tiny, out) + ["--resume"]
     else:
-        argv = base_args(tiny, out, **make(tiny, tmp_path))
+        kept = finished_run(out)
+        before = kept()
+        argv = base_args(tiny, out, **make(tiny, tmp_path)) + ["--overwrite"]
     if "--deepspeed_config" in " ".join(argv):  # the DeepSpeed config is read by zero-optimization.py
         run = launch("forked-python", "zero-optimization.py", argv)
         text = run.stderr.strip().splitlines()[-1]
@@ -337,6 +352,7 @@ def test_bad_input_catalogue(tiny, tmp_path, name, make, message):
             single.main(argv)
         text = str(e.value)
     assert text.startswith("error: ") and message in text, text
+    assert kept is None or kept() == before
 
 
 @pytest.mark.quick
@@ -344,10 +360,11 @@ def test_a_run_killed_in_its_first_save_starts_over_under_resume_auto(tmp_path):
     """A half-written first checkpoint is nothing to resume: --resume auto (resolved to no resume) starts afresh,
     where it used to stop every requeue with "holds an unfinished run"; plain --resume says there is nothing."""
     (tmp_path / "checkpoints" / ".tmp-step-500").mkdir(parents=True)
-    checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume=None, rank=0)
+    run = flags.defaults(output_dir=str(tmp_path)).run
+    checkpoints.prepare_output_dir(checkpoints.output_dir(run), overwrite=False, rank=0)
     assert not (tmp_path / "checkpoints" / ".tmp-step-500").exists()
     with pytest.raises(SystemExit, match="has no checkpoints to resume from"):
-        checkpoints.prepare_output_dir(tmp_path, overwrite=False, resume="newest", rank=0)
+        checkpoints.output_dir(dataclasses.replace(run, resume="newest"))
 
 
 def test_a_record_from_before_a_metric_was_kept_restores_without_it():

@@ -14,7 +14,7 @@ import pytest
 from transformers import pipeline
 
 from helpers import ROOT, assert_close_losses, check, free_port, launch, load_script, results
-from finetune import demo
+from finetune.internals import demo
 
 classification = load_script("sequence_classification.py")
 

@@ -68,32 +68,6 @@ def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect)
     assert {k: params[k] for k in ("torch_adam", "fused") if k in params} == expect
 
 
-def test_an_offloaded_optimizer_asks_about_the_cpu_once(monkeypatch):
-    """DeepSpeed asks py-cpuinfo about the CPU as it builds CPU Adam (the op's flags, then each optimizer), and
-    py-cpuinfo starts a Python process each time (1.2 s of CPU): with offload, the first answer is kept."""
-    import subprocess
-
-    import cpuinfo
-    import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # as it was, after the test
-    config = json.loads(open(ZERO2).read())
-    config["zero_optimization"]["offload_optimizer"]["device"] = "cpu"
-    zero_config.choose_optimizer(config, False)
-    asked = []
-
-    class Counted(subprocess.Popen):
-        def __init__(self, command, *args, **kwargs):
-            asked.extend(["cpuinfo"] if "cpuinfo" in str(command) else [])
-            super().__init__(command, *args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "Popen", Counted)
-    for _ in range(3):
-        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(8))])
-    assert len(asked) <= 1 and cpuinfo.get_cpu_info()["arch"]  # once at most (none if an earlier test asked)
-
-
 @pytest.mark.parametrize("fp16, bf16, precision, message", [
     (False, True, "fp16", "--precision fp16: DeepSpeed does not train in fp16 on this cpu device; pass --precision "
                           "bf16"),
@@ -326,33 +300,35 @@ def test_zero3_layers_are_leaves_sized_from_the_model():
     assert z.tuned_values(3, 64, True, 8)["stage3_param_persistence_threshold"] == 640  # no layers known: per matrix
 
 
-def test_another_deepspeed_is_refused_in_one_line():
-    """The mends reach into DeepSpeed 0.19.8's private attributes: another version is one line, not a silent patch."""
-    from finetune import mends
-    mends.check_version(mends.MENDED_VERSION)
-    with pytest.raises(SystemExit, match="mends DeepSpeed 0.19.8 and this is DeepSpeed 0.20.0: install "
-                                         "deepspeed==0.19.8"):
-        mends.check_version("0.20.0")
-
-
 def test_deepspeeds_muon_loads_only_for_a_config_that_names_it(monkeypatch):
     """DeepSpeed imports its Muon optimizer wherever it asks whether the optimizer is Muon, and the import loads the
     compiler (0.8 s of each rank's start on a CPU). A config naming AdamW gets stand-ins that answer the same (no
-    optimizer is their MuonWithAuxAdam; their update is never reached, and says so); one naming Muon gets
-    DeepSpeed's."""
+    optimizer is their MuonWithAuxAdam; their update is never reached, and says so), taken out when the engine is
+    done; one naming Muon gets DeepSpeed's (mends: muon_only_when_named)."""
     import sys
 
     import torch
 
-    from finetune import mends
-    for name in mends.MUON_MODULES:  # as in a process that has not imported them (restored after the test)
+    from finetune.internals import mend_speedups, mends
+    earlier = mends.Mended("all", "0.19.8")  # what the configs of this file's other tests installed, undone
+    earlier.adopt_pending()
+    earlier.undo()
+    for name in mend_speedups.MUON_MODULES:  # as in a process that has not imported them (restored after the test)
         monkeypatch.delitem(sys.modules, name, raising=False)
-    mends.muon_only_when_named("AdamW")
+    mends.before_engine({"optimizer": {"type": "AdamW"}})
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     from deepspeed.runtime.zero.muon.original_muon import muon_update
     assert not isinstance(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), MuonWithAuxAdam)
     with pytest.raises(RuntimeError, match="names another optimizer"):
         muon_update(torch.ones(2, 2), torch.zeros(2, 2))
-    mends.muon_only_when_named("Muon")
+    mends.before_engine({"optimizer": {"type": "Muon"}})
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam as Muon
-    assert issubclass(Muon, torch.optim.Optimizer) and Muon.__module__ == mends.MUON_MODULES[0]
+    assert issubclass(Muon, torch.optim.Optimizer) and Muon.__module__ == mend_speedups.MUON_MODULES[0]
+    monkeypatch.delitem(sys.modules, mend_speedups.MUON_MODULES[0])
+    mends.before_engine({"optimizer": {"type": "AdamW"}}, "none")  # --mends none: DeepSpeed's own import
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam as Muon
+    assert issubclass(Muon, torch.optim.Optimizer)
+    held = mends.Mended("all", "0.19.8")  # what this test installed, held and undone as an engine's Mended would
+    held.adopt_pending()
+    held.undo()
+    assert all(hasattr(sys.modules.get(name, sys), "__file__") for name in mend_speedups.MUON_MODULES)  # no stand-in

@@ -9,8 +9,8 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
                           OPTConfig)
 
-from finetune import blocks, data, evaluation, flags, loss, models, training
-from helpers import data_args, documents_of
+from finetune import blocks, data, evaluation, loss, models, training
+from helpers import cpu_process, data_args, documents_of
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
@@ -44,7 +44,7 @@ def test_best_fit_decreasing_keeps_documents_whole():
 def test_every_token_in_its_place(tiny, tokenizer, packing, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "CACHE", tmp_path)  # prepared here, written 7 pieces at a time
     monkeypatch.setattr(blocks, "CHUNK", 7)
-    train, _ = data.prepare(data_args(tiny["data"], packing=packing), tokenizer)
+    train, _ = data.prepare(data_args(tiny["data"], packing=packing), tokenizer, seed=0)
     rows = data.load_splits(tiny["data"], seed=0)[0]  # the same training split
     docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]
     if packing == "stream":  # every token, in order, cut every 32 tokens; a segment per block
@@ -61,7 +61,7 @@ def test_every_token_in_its_place(tiny, tokenizer, packing, tmp_path, monkeypatc
 
 
 def test_isolated_packing_keeps_each_document_whole_in_one_block(tiny, tokenizer):
-    train, evals = data.prepare(data_args(tiny["data"], block_size=160), tokenizer)
+    train, evals = data.prepare(data_args(tiny["data"], block_size=160), tokenizer, seed=0)
     rows = datasets.load_dataset("csv", data_files=tiny["data"])["train"]
     docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]
     packed = set(map(tuple, documents(train) + documents(evals)))
@@ -89,7 +89,7 @@ def tiny_models(vocab):
 def test_a_document_in_a_packed_block_sees_only_itself(tiny, tokenizer, attention):
     """Its logits equal those of the document run alone, for OPT, GPT-2, Llama, and Mistral and Gemma 2 with sliding
     windows shorter than the documents (random weights)."""
-    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer, seed=0)
     segments = [len(documents_of(train, i)) for i in range(len(train))]
     rows = [i for i, n in enumerate(segments) if n >= 2][:3]  # blocks of 2 documents or more
     assert len(rows) == 3
@@ -99,7 +99,7 @@ def test_a_document_in_a_packed_block_sees_only_itself(tiny, tokenizer, attentio
             continue
         config._attn_implementation = attention
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
-        inputs, _ = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), model.config)
+        inputs, _ = train.batch(rows, cpu_process(tokenizer.pad_token_id, model.config))
         masks = inputs["attention_mask"]
         masks = masks if isinstance(masks, dict) else {"all layers": masks}
         assert len(masks) == (2 if name == "gemma2" else 1)  # Gemma 2: a mask for its local layers, one for global
@@ -122,13 +122,12 @@ def test_a_document_in_a_packed_block_sees_only_itself(tiny, tokenizer, attentio
 def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokenizer):
     torch.manual_seed(0)
     config = next(tiny_models(len(tokenizer)))[1]  # OPT, 256 positions, random weights
-    model = loss.attach(AutoModelForCausalLM.from_config(config), 16)
-    process = training.Process(torch.device("cpu"), 0, 1, torch.autocast("cpu", enabled=False),
-                               tokenizer.pad_token_id, model.config)
+    model = loss.CausalLMLoss(AutoModelForCausalLM.from_config(config), 16)
+    process = cpu_process(tokenizer.pad_token_id, model.config)
     sums = {}
     for packing in ("isolated", "none"):
-        _, evals = data.prepare(data_args(tiny["chats"], block_size=256, packing=packing), tokenizer)
-        sums[packing] = evaluation.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
+        _, evals = data.prepare(data_args(tiny["chats"], block_size=256, packing=packing), tokenizer, seed=0)
+        sums[packing] = evaluation.eval_loss_sums(model, evals, 4, process)
     assert sums["isolated"][1] == sums["none"][1] > 0  # the same tokens carry loss
     assert (sums["isolated"][0] / sums["isolated"][1]).item() == pytest.approx(
         (sums["none"][0] / sums["none"][1]).item(), rel=1e-5)
@@ -137,9 +136,8 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
     from torch._dynamo.utils import counters
     model.compile(backend="eager")
     frames = counters["frames"]["total"]
-    compiled = evaluation.eval_loss_sums(model, evals, flags.defaults(batch_size=4).train, process)
-    answer = models._generate(model, tokenizer, tokenizer("Review:")["input_ids"], torch.device("cpu"),
-                              torch.autocast("cpu", enabled=False), max_new_tokens=3)
+    compiled = evaluation.eval_loss_sums(model, evals, 4, process)
+    answer = models._generate(model, tokenizer, tokenizer("Review:")["input_ids"], process, max_new_tokens=3)
     assert counters["frames"]["total"] == frames and isinstance(answer, str)
     assert torch.equal(compiled, sums["none"])
 
@@ -152,15 +150,15 @@ def write_jsonl(path, rows):
 def test_prompt_completion_puts_the_loss_on_the_completion(tmp_path, tiny, tokenizer):
     rows = [{"prompt": f"Review {i}: the pasta was good.", "completion": f" {i % 5 + 1} stars"} for i in range(40)]
     path = write_jsonl(tmp_path / "pc.jsonl", rows)
-    train, evals = data.prepare(data_args(path, block_size=64), tokenizer)
+    train, evals = data.prepare(data_args(path, block_size=64), tokenizer, seed=0)
     assert train.format == "prompt-completion"
     completion_tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in rows)
     assert train.predicted.sum() + evals.predicted.sum() == completion_tokens  # + EOS each, nothing of the prompts
-    model = loss.attach(AutoModelForCausalLM.from_pretrained(tiny["model"]), 8)
-    inputs, labels = train.batch([0], tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    model = loss.CausalLMLoss(AutoModelForCausalLM.from_pretrained(tiny["model"]), 8)
+    inputs, labels = train.batch([0], cpu_process(tokenizer.pad_token_id, model.config))
     with torch.no_grad():
-        full = model(**inputs).logits  # the original forward (no targets): all logits
-        mine = loss.token_loss_sum(model, inputs, labels).loss
+        full = model.causal_lm(**inputs).logits  # the model's own forward: all logits
+        mine = model(inputs, labels).loss
         target = labels[0].flatten()
         reference = torch.nn.functional.cross_entropy(full.flatten(0, 1), target, reduction="sum")
         assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
@@ -169,8 +167,8 @@ def test_prompt_completion_puts_the_loss_on_the_completion(tmp_path, tiny, token
         changed[0, position] = (changed[0, position] + 1) % len(tokenizer)
         new_labels = labels._replace(labels=labels.labels.clone())
         new_labels.labels[0, position - 1] = changed[0, position]
-        assert loss.token_loss_sum(model, {**inputs, "input_ids": changed}, new_labels).loss.item() != mine.item()
-    both = data.prepare(data_args(path, block_size=64, train_on_prompt=True), tokenizer)
+        assert model({**inputs, "input_ids": changed}, new_labels).loss.item() != mine.item()
+    both = data.prepare(data_args(path, block_size=64, train_on_prompt=True), tokenizer, seed=0)
     docs = [len(tokenizer(r["prompt"])["input_ids"]) + len(tokenizer(r["completion"], add_special_tokens=False)
                                                              ["input_ids"]) + 1 for r in rows]
     assert sum(b.predicted.sum() for b in both) == sum(d - 1 for d in docs)  # every token but each first
@@ -196,7 +194,7 @@ def test_messages_put_the_loss_on_the_assistant(tmp_path, tiny, template):
                            {"role": "user", "content": "And the service?"},
                            {"role": "assistant", "content": "Slow."}]} for i in range(30)]
     path = write_jsonl(tmp_path / "chats.jsonl", chats)
-    train, evals = data.prepare(data_args(path, block_size=128), tokenizer)
+    train, evals = data.prepare(data_args(path, block_size=128), tokenizer, seed=0)
     assert train.format == "messages"
     for split in (train, evals):
         for s, n in zip(split.starts, split.lengths):
@@ -220,7 +218,7 @@ def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message
     monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(SystemExit) as e:
-        data.prepare(data_args(path), tokenizer)
+        data.prepare(data_args(path), tokenizer, seed=0)
     text = str(e.value)
     assert text.startswith("error: ") and message in text and "\n" not in text and "fix or drop that row" in text
     # the reason is left for the node's other ranks; the half-written folder is not left at all
@@ -232,7 +230,7 @@ def test_answers_cut_off_by_the_block_are_one_line(tmp_path, tiny, tokenizer, mo
     monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
     with pytest.raises(SystemExit, match=r"loss masked everywhere; \d+ documents were cut at the block size: raise "
                                          r"--block-size\)$"):
-        data.prepare(data_args(tiny["chats"], block_size=16, packing="none"), tokenizer)
+        data.prepare(data_args(tiny["chats"], block_size=16, packing="none"), tokenizer, seed=0)
 
 
 def test_formats_from_the_columns_and_the_flags():
@@ -249,18 +247,18 @@ def test_formats_from_the_columns_and_the_flags():
 
 def test_prepared_once_then_reused(tiny, tokenizer):
     args = data_args(tiny["data"], block_size=48)
-    data.prepare(args, tokenizer)
-    folder = data.CACHE / data.cache_key(args, tokenizer)
+    data.prepare(args, tokenizer, seed=0)
+    folder = data.CACHE / data.cache_key(args, tokenizer, 0)
     stamp = (folder / "meta.json").stat().st_mtime_ns
-    data.prepare(args, tokenizer)  # a rerun maps what is there
+    data.prepare(args, tokenizer, seed=0)  # a rerun maps what is there
     assert (folder / "meta.json").stat().st_mtime_ns == stamp
-    assert data.cache_key(data_args(tiny["data"], block_size=40), tokenizer) != folder.name  # another setting
+    assert data.cache_key(data_args(tiny["data"], block_size=40), tokenizer, 0) != folder.name  # another setting
 
 
 def test_batches_shift_labels_and_mask_padding(tiny, tokenizer):
-    train, _ = data.prepare(data_args(tiny["data"], packing="none", block_size=64), tokenizer)
+    train, _ = data.prepare(data_args(tiny["data"], packing="none", block_size=64), tokenizer, seed=0)
     short, long = int(train.lengths.argmin()), int(train.lengths.argmax())
-    inputs, (labels, index, *_) = train.batch([short, long], 1, torch.device("cpu"), None)
+    inputs, (labels, index, *_) = train.batch([short, long], cpu_process(1, None))
     n, width = int(train.lengths[short]), int(train.lengths[long])
     assert inputs["input_ids"].shape == labels.shape == (2, width)
     assert labels[0, :n - 1].tolist() == inputs["input_ids"][0, 1:n].tolist()  # label t is token t+1
@@ -320,16 +318,17 @@ def test_an_eval_file_of_its_own(tmp_path, tiny, tokenizer, monkeypatch):
     monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
     texts = [f"review number {i} of a place that served food" for i in range(30)]
     write_jsonl(tmp_path / "held-out.jsonl", [{"text": t} for t in texts])
-    train, evals = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl")), tokenizer)
+    train, evals = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl")), tokenizer,
+                                seed=0)
     docs = [tuple(x + [tokenizer.eos_token_id]) for x in tokenizer(texts)["input_ids"]]
     assert sorted(map(tuple, documents(evals))) == sorted(docs)  # the file's rows, whole, and nothing else
     rows = datasets.load_dataset("csv", data_files=tiny["data"])["train"]  # every row of the training file trains
     assert train.lengths.sum() == sum(len(x) + 1 for x in tokenizer(list(rows["text"]))["input_ids"])
     _, some = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl"),
-                                     max_eval_samples=7), tokenizer)
+                                     max_eval_samples=7), tokenizer, seed=0)
     assert len(documents(some)) == 7 and set(map(tuple, documents(some))) <= set(docs)
     with pytest.raises(SystemExit) as e:
-        data.prepare(data_args(tiny["data"], eval_dataset=tiny["chats"]), tokenizer)
+        data.prepare(data_args(tiny["data"], eval_dataset=tiny["chats"]), tokenizer, seed=0)
     assert str(e.value) == (f"error: --eval-dataset {tiny['chats']} has columns messages and the training data is "
                             f"text in text; give the eval data the same columns")
 

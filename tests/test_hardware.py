@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import load_script
-from finetune import blocks, checkpoints, data, distributed, flags, hardware, mends, progress, zero_config
+from helpers import cpu_process, load_script
+from finetune import blocks, checkpoints, data, distributed, flags, hardware, progress, zero_config
+from finetune.internals import mend_fixes
 from finetune.hardware import Facts
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -122,11 +123,11 @@ def test_varlen_batches_lay_documents_end_to_end(tmp_path, tiny):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
-    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer, seed=0)
     rows = [i for i in range(len(train)) if len(documents_of(train, i)) >= 2][:3]  # blocks of several documents
     flash = argparse.Namespace(_attn_implementation="flash_attention_2")
-    inputs, (labels, index, *_) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), flash)
-    padded, (padded_labels, *_) = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), None)
+    inputs, (labels, index, *_) = train.batch(rows, cpu_process(tokenizer.pad_token_id, flash))
+    padded, (padded_labels, *_) = train.batch(rows, cpu_process(tokenizer.pad_token_id, None))
     real = torch.arange(padded["input_ids"].shape[1])[None] < torch.as_tensor(train.lengths[rows])[:, None]
     assert inputs["input_ids"].shape == (1, int(train.lengths[rows].sum())) and "attention_mask" not in inputs
     assert inputs["input_ids"][0].tolist() == padded["input_ids"][real].tolist()
@@ -146,15 +147,15 @@ def test_batches_go_to_a_gpu_pinned_and_asynchronously(tiny, monkeypatch):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
-    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer)
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=128), tokenizer, seed=0)
     copies = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pinned") or self)
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: copies.append((args, kwargs)) or self)
     flash = argparse.Namespace(_attn_implementation="flash_attention_2")  # no mask: nothing made on the device
-    train.batch([0, 1], tokenizer.pad_token_id, torch.device("cuda"), flash)
+    train.batch([0, 1], cpu_process(tokenizer.pad_token_id, flash, "cuda"))
     assert copies == ["pinned", ((torch.device("cuda"),), {"non_blocking": True})] * 3  # targets, inputs, boundaries
     copies.clear()
-    train.batch([0, 1], tokenizer.pad_token_id, torch.device("cpu"), flash)
+    train.batch([0, 1], cpu_process(tokenizer.pad_token_id, flash))
     assert copies == [((torch.device("cpu"),), {})] * 3
     assert hardware.pinned_copies("cuda") and not hardware.pinned_copies("cpu") and not hardware.pinned_copies("mps")
 
@@ -210,7 +211,7 @@ def test_a_universal_resume_puts_each_step_where_adamw_reads_it(fused, where):
     optimizer = argparse.Namespace(param_groups=[{"params": [], "fused": fused, "weight_decay": 0.0}],
                                    state={p: {"step": shared, "exp_avg": torch.empty(p.shape, device="meta")}
                                           for p in params})
-    mends.place_optimizer_steps(optimizer)
+    mend_fixes.place_optimizer_steps(optimizer)
     steps = [optimizer.state[p]["step"] for p in params]
     assert all(s.device.type == where and s.dtype == torch.float32 for s in steps)
     assert steps[0] is not steps[1] and steps[0] is not shared

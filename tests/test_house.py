@@ -22,16 +22,17 @@ def test_every_module_is_within_its_size():
 
 
 def package_imports():
-    """{module: the package's modules it imports, anywhere in it}."""
+    """{module: the package's modules it imports, anywhere in it} (finetune's and finetune.internals', by name)."""
+    modules = {p.stem: p for p in (ROOT / "finetune").rglob("*.py") if p.stem != "__init__"}
     graph = {}
-    for path in (ROOT / "finetune").glob("*.py"):
+    for name, path in modules.items():
         names = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:  # from . import x / from .x import y
-                names |= {node.module} if node.module else {a.name for a in node.names}
+            if isinstance(node, ast.ImportFrom) and node.level:  # from . import x, from .x import y, from .. import x
+                names |= {node.module.split(".")[-1]} if node.module else {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finetune"):
-                names |= {node.module.split(".")[1]} if "." in node.module else {a.name for a in node.names}
-        graph[path.stem] = {n for n in names if (ROOT / "finetune" / f"{n}.py").exists()} - {path.stem}
+                names |= {node.module.split(".")[-1]} if "." in node.module else {a.name for a in node.names}
+        graph[name] = {n for n in names if n in modules} - {name}
     return graph
 
 

@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
 
 from finetune import data, loss
-from helpers import data_args
+from helpers import cpu_process, data_args
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
@@ -28,7 +28,7 @@ ARCHITECTURES = {
 @pytest.fixture(scope="module")
 def chats(tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
-    train, _ = data.prepare(data_args(tiny["chats"], block_size=256), tokenizer)
+    train, _ = data.prepare(data_args(tiny["chats"], block_size=256), tokenizer, seed=0)
     return train, tokenizer
 
 
@@ -44,16 +44,16 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
     plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
     chunked = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double()
     chunked.load_state_dict(plain.state_dict())
-    loss.attach(chunked, chunk_tokens=37)  # several chunks, the last one short
+    chunked = loss.CausalLMLoss(chunked, chunk_tokens=37)  # several chunks, the last one short
     # four blocks of unequal length: padding at the ends, the prompts' labels masked
     rows = sorted(range(len(train)), key=lambda i: train.lengths[i])[::len(train) // 4][:4]
-    inputs, labels = train.batch(rows, tokenizer.pad_token_id, torch.device("cpu"), chunked.config)
+    inputs, labels = train.batch(rows, cpu_process(tokenizer.pad_token_id, chunked.config))
     assert (labels[0] == -100).float().mean() > 0.5 and inputs["input_ids"].shape[0] == 4
 
     logits = plain(**inputs).logits  # the model's own forward: all the logits
     reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[0].flatten(), reduction="sum")
     (reference / 3).backward()  # as training scales it: by the count of tokens that carry loss
-    mine = loss.token_loss_sum(chunked, inputs, labels).loss
+    mine = chunked(inputs, labels).loss
     (mine / 3).backward(retain_graph=True)
     assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
     want, got = gradients(plain), gradients(chunked)
@@ -67,18 +67,27 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
 
 
 def test_plain_path_and_generation_are_the_models_own(chats):
+    """The loss is a module around the model, which keeps its own forward (generate is the stock one) and its state
+    dict's names: checkpoints, final/ and adapters written before the loss was a module load as they were."""
     train, tokenizer = chats
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(ARCHITECTURES["opt (tied)"](len(tokenizer)))
     before = model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=4, do_sample=False)
-    loss.attach(model, chunk_tokens=0)
+    names = list(model.state_dict())
+    trained = loss.CausalLMLoss(model, chunk_tokens=0)
+    assert "forward" not in vars(model) and trained.causal_lm is model  # no forward put on the model
     assert model.generate(torch.tensor([[2, 5, 6]]), max_new_tokens=4, do_sample=False).equal(before)
-    inputs, labels = train.batch([0, 1], tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    inputs, labels = train.batch([0, 1], cpu_process(tokenizer.pad_token_id, model.config))
     with torch.no_grad():
         logits = model(**inputs).logits
         plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[0].flatten(), reduction="sum")
-        assert loss.token_loss_sum(model, inputs, labels).loss.item() == pytest.approx(plain.item(), rel=1e-6)
-    assert "model.decoder.embed_tokens.weight" in model.state_dict()  # the names a checkpoint holds: unchanged
+        assert trained(inputs, labels).loss.item() == pytest.approx(plain.item(), rel=1e-6)
+    # the names a checkpoint holds, and the tensors: the model's own
+    assert list(trained.state_dict()) == names and "model.decoder.embed_tokens.weight" in names
+    assert [n for n, _ in trained.named_parameters()] == [n for n, _ in model.named_parameters()]
+    trained.load_state_dict(model.state_dict())
+    trained.eval()
+    assert not model.training and not model.model.decoder.training
 
 
 class LargestLogits(TorchDispatchMode):
@@ -102,11 +111,11 @@ def test_the_logits_of_all_tokens_never_exist_at_once(chats, chunk):
     train, tokenizer = chats
     torch.manual_seed(0)
     vocab = len(tokenizer)
-    model = loss.attach(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](vocab)), chunk)
-    inputs, labels = train.batch(list(range(4)), tokenizer.pad_token_id, torch.device("cpu"), model.config)
+    model = loss.CausalLMLoss(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](vocab)), chunk)
+    inputs, labels = train.batch(list(range(4)), cpu_process(tokenizer.pad_token_id, model.config))
     tokens = inputs["input_ids"].numel()
     with LargestLogits(vocab) as seen:
-        loss.token_loss_sum(model, inputs, labels).loss.backward()
+        model(inputs, labels).loss.backward()
     if chunk:
         assert seen.largest == chunk * vocab  # one chunk's logits (and their gradient, in place)
     else:  # the plain path: every position's logits
@@ -136,15 +145,15 @@ def test_a_frozen_head_gets_no_gradient_work(chats):
     the hidden states' gradient, all the adapters need, is the same."""
     train, tokenizer = chats
     torch.manual_seed(0)
-    model = loss.attach(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](len(tokenizer))), 32)
-    inputs, labels = train.batch(list(range(4)), tokenizer.pad_token_id, torch.device("cpu"), model.config)
-    head = model.get_output_embeddings().weight
+    model = loss.CausalLMLoss(AutoModelForCausalLM.from_config(ARCHITECTURES["llama (untied)"](len(tokenizer))), 32)
+    inputs, labels = train.batch(list(range(4)), cpu_process(tokenizer.pad_token_id, model.config))
+    head = model.lm.get_output_embeddings().weight
     hidden_grads, counts = {}, {}
     for frozen in (False, True):
         head.requires_grad_(not frozen)
         model.zero_grad()
         with MatmulFlops() as counts[frozen]:
-            loss.token_loss_sum(model, inputs, labels).loss.backward()
+            model(inputs, labels).loss.backward()
         hidden_grads[frozen] = model.model.norm.weight.grad.clone()  # through the hidden states
         assert (head.grad is None) == frozen
     tokens, (vocab, hidden) = len(labels[1]), head.shape

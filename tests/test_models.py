@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from helpers import (FAMILIES, ROOT, assert_close_losses, assert_same_weights, base_args, build, check,
+from helpers import (FAMILIES, ROOT, assert_close_losses, assert_same_weights, base_args, build, check, cpu_process,
                      independent_loss, launch, load_script, results, weights)
 from finetune import hardware, models, training
 
@@ -103,7 +103,7 @@ def test_the_ranks_route_to_different_experts(matrix, tiny, name):
 
     config = single.parse_args(matrix[name]["argv"])
     model = AutoModelForCausalLM.from_pretrained(matrix[name]["model"]).eval()
-    train = data.prepare(config.data, models.load_tokenizer(config.model.model))[0]
+    train = data.prepare(config.data, models.load_tokenizer(config.model.model), seed=config.train.seed)[0]
     first = training.GlobalBatches(len(train), 8, config.train.seed)(0)[:4]  # micro-step 1: 2 rows for each of 2 ranks
     chosen = []
     experts_modules = [m for m in model.modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
@@ -112,7 +112,7 @@ def test_the_ranks_route_to_different_experts(matrix, tiny, name):
     counts = []
     for share in first.view(2, -1):
         chosen.append([])
-        inputs, _ = train.batch(share, 0, torch.device("cpu"), model.config)
+        inputs, _ = train.batch(share, cpu_process(0, model.config))
         with torch.no_grad():
             model(**inputs)
         experts = hardware.experts_per_token(model.config)[0]
@@ -219,7 +219,7 @@ def test_a_mixture_of_experts_under_dpo_starts_at_ln2_with_its_router_noise_off(
     reference at step 1 (the loss ln 2; with the noise on, 0.7 or so), and it trains from there."""
     import math
 
-    from finetune import demo
+    from finetune.internals import demo
 
     pairs = tmp_path / "pairs.jsonl"
     demo.make_demo_pairs(pairs, n=48, seed=3, style="strings")

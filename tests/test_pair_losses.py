@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune import data, demo, flags, loss, preference
-from helpers import assert_close_losses, base_args, check, launch, load_script, results, sequences
+from finetune import data, flags, loss, preference
+from finetune.internals import demo
+from helpers import assert_close_losses, base_args, check, cpu_process, launch, load_script, results, sequences
 
 single = load_script("single-gpu.py")
 KINDS = {  # name: the PairLoss (and flags) each is checked with
@@ -82,8 +83,8 @@ def pairs(tmp_path_factory):
 def test_each_loss_through_the_model_is_the_formula_on_the_stock_models_answers(pairs, kind):
     """The summed loss over a split and its gradient through the model, chunked and plain, against the formula on
     each answer's log-probability from the stock model in float64, each sequence alone; TRL's metrics' rewards."""
-    split, _ = data.prepare(flags.defaults(dataset=pairs["data"], seed=0, block_size=128, max_eval_samples=0).data,
-                            pairs["tokenizer"])
+    split, _ = data.prepare(flags.defaults(dataset=pairs["data"], block_size=128, max_eval_samples=0).data,
+                            pairs["tokenizer"], seed=0)
     torch.manual_seed(0)
     split = split.with_reference(-60 - 20 * torch.rand(split.pairs_total, 2))
     stock = AutoModelForCausalLM.from_pretrained(pairs["model"], dtype=torch.float64)
@@ -99,10 +100,11 @@ def test_each_loss_through_the_model_is_the_formula_on_the_stock_models_answers(
         expected = expected + published(kind, logp[0], logp[2], ref[0], ref[1], logp[1].double(), logp[3].double())
     expected.backward()
     for chunk in (16, 0):
-        model = loss.attach(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"), chunk)
+        model = loss.CausalLMLoss(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
+                                  chunk, KINDS[kind])
         preference.without_dropout(model)
-        inputs, targets = split.batch(np.arange(len(split)), 0, torch.device("cpu"), model.config)
-        summed = loss.token_loss_sum(model, inputs, targets, KINDS[kind])
+        inputs, targets = split.batch(np.arange(len(split)), cpu_process(0, model.config))
+        summed = model(inputs, targets)
         summed.loss.backward()
         assert summed.loss.item() == pytest.approx(expected.item(), rel=1e-5), chunk
         ours = torch.cat([p.grad.double().flatten() for p in model.parameters()])

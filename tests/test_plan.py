@@ -7,7 +7,7 @@ import pytest
 from transformers import OPTConfig
 
 import plan
-from finetune import memory
+from finetune.internals import memory
 from helpers import check, launch
 
 GB = 1e9
@@ -212,7 +212,7 @@ def test_planned_model_states_match_the_bytes_each_rank_holds(counted):
 def test_planned_norm_copy_is_the_largest_fp64_copy_a_step_makes(counted):
     """ZeRO-2 + CPU offload copies each gradient piece of its partition to fp64 for the norm: the planner's figure is
     the largest piece's (here the embedding, wholly in rank 0's partition), and no rank copies more. Without offload
-    ZeRO-1/2 copy nothing (mends.norm_at_once: one foreach norm; DeepSpeed 0.19.8 alone copied as offload does)."""
+    ZeRO-1/2 copy nothing (mend norm_at_once: one foreach norm; DeepSpeed 0.19.8 alone copied as offload does)."""
     assert all(r["counted_norm_copy"] == 0 for r in counted if r["option"] in ("ZeRO-1", "ZeRO-2"))
     rows = [r for r in counted if r["planned_norm_copy"] is not None]
     assert len(rows) == 2 * 1 * 2 * 3  # models x ZeRO-2 + offload x precisions x ranks

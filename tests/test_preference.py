@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check, cpu_process,
                      crash_after_first_checkpoint, launch, load_script, results, sequences, weights)
-from finetune import blocks, data, demo, flags, loss, preference, training
+from finetune import blocks, data, flags, loss, preference, training
+from finetune.internals import demo
 
 single = load_script("single-gpu.py")
 BLOCK = 128
@@ -53,7 +54,8 @@ def data_args(path, **kw):
 @pytest.mark.quick
 def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs):
     tok = pairs["tokenizer"]
-    prepared = {style: data.prepare(data_args(pairs[style]), tok) for style in ("strings", "messages", "implicit")}
+    prepared = {style: data.prepare(data_args(pairs[style]), tok, seed=0)
+                for style in ("strings", "messages", "implicit")}
     for style, (train, evals) in prepared.items():
         assert train.format == "preference" and train.pairs_total + evals.pairs_total == 48, style
         assert train.predicted.sum() == train.pairs_total and train.cut == 0  # counts are of pairs; none cut
@@ -74,7 +76,7 @@ def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs)
     layouts = {}
     for implementation in ("flash_attention_2", "sdpa"):
         config._attn_implementation = implementation
-        inputs, targets = train.batch([0, 1, 2], tok.pad_token_id, torch.device("cpu"), config)
+        inputs, targets = train.batch([0, 1, 2], cpu_process(tok.pad_token_id, config))
         labels, index, sequence, count = targets[:4]
         layouts[implementation] = labels.flatten()[index].tolist(), sequence.tolist(), count, inputs
     assert layouts["flash_attention_2"][:3] == layouts["sdpa"][:3] and layouts["sdpa"][2] == train.predicted[:3].sum()
@@ -134,7 +136,7 @@ def test_long_prompts_keep_their_first_tokens(pairs, tmp_path):
                             for p in prompts))
     whole = {tuple(tok(p)["input_ids"]) for p in prompts}
     for packing in ("isolated", "none"):
-        train = data.prepare(data_args(path, block_size=512, packing=packing, eval_dataset=str(path)), tok)[0]
+        train = data.prepare(data_args(path, block_size=512, packing=packing, eval_dataset=str(path)), tok, seed=0)[0]
         assert "8 pairs cut to fit a block (8 the answers' ends, 0 the prompt's middle too)" in train.describe(packing)
         found = sequences(train)
         assert len(found) == 8
@@ -161,7 +163,7 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
     split.tokens, split.flags = np.array(ids, np.int32), np.array(flags, np.uint8) | [blocks.DOC_START] + [0] * 12
     split.starts, split.lengths, split.predicted, split.pieces = (np.array([x]) for x in (0, len(ids), 1, 0))
     split.first_piece, split.split_rows, split.reference = np.array([0]), False, None
-    inputs, _ = split.batch([0], 0, torch.device("cpu"), config)
+    inputs, _ = split.batch([0], cpu_process(0, config))
     with torch.no_grad():
         packed = model(**inputs).logits[0]
         chosen, rejected = (model(torch.tensor([prompt + x])).logits[0] for x in (a, b))
@@ -187,7 +189,7 @@ def test_a_file_with_no_usable_pair_is_one_line_and_nothing_is_prepared(pairs, t
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 8))
     before = set(data.CACHE.iterdir()) if data.CACHE.exists() else set()
     with pytest.raises(SystemExit, match=re.escape(message)):
-        data.prepare(data_args(path, **flags), pairs["tokenizer"])
+        data.prepare(data_args(path, **flags), pairs["tokenizer"], seed=0)
     assert {p for p in data.CACHE.iterdir() if not p.name.endswith(".failed")} <= before
 
 
@@ -201,7 +203,7 @@ def test_bad_pairs_are_skipped_and_counted_and_the_rest_train(pairs, tmp_path):
            {"chosen": "The answer is 4", "rejected": "The answer is 4 or 5"}]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
-    train = data.prepare(data_args(path, eval_dataset=str(pairs["strings"])), pairs["tokenizer"])[0]
+    train = data.prepare(data_args(path, eval_dataset=str(pairs["strings"])), pairs["tokenizer"], seed=0)[0]
     assert train.pairs_total == 8
     assert "; 3 skipped (2: the chosen answer is empty; 1: chosen and rejected are the same" in train.describe(
         "isolated")
@@ -209,7 +211,7 @@ def test_bad_pairs_are_skipped_and_counted_and_the_rest_train(pairs, tmp_path):
 
 @pytest.mark.quick
 def test_sequence_parallelism_is_refused_with_pairs(pairs, tmp_path):
-    splits = data.prepare(data_args(pairs["strings"]), pairs["tokenizer"])
+    splits = data.prepare(data_args(pairs["strings"]), pairs["tokenizer"], seed=0)
     config = load_script("zero-optimization.py").parse_args(["--sequence-parallel", "2"])
     with pytest.raises(SystemExit, match="drop --sequence-parallel"):
         preference.reference(None, splits, config, tmp_path, None)
@@ -242,16 +244,16 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
     tok = pairs["tokenizer"]
     results_by = {}
     for packing in ("isolated", "none"):
-        train, _ = data.prepare(data_args(pairs["strings"], packing=packing), tok)
+        train, _ = data.prepare(data_args(pairs["strings"], packing=packing), tok, seed=0)
         torch.manual_seed(0)
         train = train.with_reference(-60 - 20 * torch.rand(train.pairs_total, 2))
         for chunk in (16, 0):
-            model = loss.attach(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
-                                chunk)
+            model = loss.CausalLMLoss(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
+                                      chunk, loss.PairLoss(beta=0.5))
             preference.without_dropout(model)
             blocks_all = np.arange(len(train))
-            inputs, targets = train.batch(blocks_all, tok.pad_token_id, torch.device("cpu"), model.config)
-            summed = loss.token_loss_sum(model, inputs, targets, loss.PairLoss(beta=0.5))
+            inputs, targets = train.batch(blocks_all, cpu_process(tok.pad_token_id, model.config))
+            summed = model(inputs, targets)
             value = summed.loss / train.pairs_total
             value.backward()
             metrics = preference.metric_values(summed.pair_metrics.tolist(), train.pairs_total)
@@ -315,7 +317,8 @@ def test_the_first_step_is_ln2_with_the_formulas_gradient_and_the_reference_is_k
     assert r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)
     assert r["losses"][-1] < r["losses"][1] and r["rewards/margins"][-1] > 0  # it learns to prefer the chosen
     # the gradient of step 1 against the formula's, with stock transformers in float64 on the loaded model
-    train = data.prepare(single.parse_args(dpo_args(pairs, out)).data, pairs["tokenizer"])[0]
+    config = single.parse_args(dpo_args(pairs, out))
+    train = data.prepare(config.data, pairs["tokenizer"], seed=config.train.seed)[0]
     first = training.GlobalBatches(len(train), 8, 42)(0).numpy()
     ids = train.pair_ids(first)
     stock = AutoModelForCausalLM.from_pretrained(pairs["model"], dtype=torch.float64).eval()

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 import plan
 from helpers import (assert_close_losses, assert_resumed, base_args, check, crash_after_first_checkpoint,
                      documents_loss, launch, load_script, results, weights)
-from finetune import demo, quantization, training
+from finetune import quantization, training
+from finetune.internals import demo
 
 single = load_script("single-gpu.py")
 # bitsandbytes packs 4-bit weights in blocks of 64 inputs: a model 64 wide (the tiny one is 32)
@@ -67,7 +68,8 @@ def test_the_gradients_are_those_of_the_dequantized_base(tiny, wide, qlora):
     torch.manual_seed(42)  # the run's --seed, before the adapters are made
     model = get_peft_model(nf4_round_trip(wide, torch.float32), LoraConfig(
         r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")).double()
-    train = single.data.prepare(single.parse_args(argv).data, single.models.load_tokenizer(wide))[0]
+    config = single.parse_args(argv)
+    train = single.data.prepare(config.data, single.models.load_tokenizer(wide), seed=config.train.seed)[0]
     first = training.GlobalBatches(len(train), 8, 42)(0)
     total, _ = documents_loss(model, argv, "train", first.tolist())
     loss = total / int(train.predicted[first].sum())

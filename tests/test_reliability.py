@@ -14,7 +14,8 @@ import psutil
 import pytest
 import torch
 
-from finetune import checkpoints, hangs, progress
+from finetune import checkpoints, progress, training
+from finetune.internals import hangs
 from helpers import (ROOT, TEST_HOOKS, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
                      long_run, load_script, results, stop_everything, weights)
 
@@ -340,14 +341,15 @@ def test_micro_steps_are_progress_so_a_long_step_is_not_a_hang(tmp_path, monkeyp
     from finetune import loss
 
     now = [0.0]
-    monkeypatch.setattr(hangs, "clock", lambda: now[0])
-    monkeypatch.setattr(hangs, "active", None)
-    watchdog = hangs.Watchdog(tmp_path, 1800, rank=0, ranks=2, poll=3600)  # its thread asleep: the test checks
+    # its thread asleep: the test checks; its clock the test's
+    watchdog = hangs.Watchdog(tmp_path, 1800, rank=0, ranks=2, poll=3600, clock=lambda: now[0])
     assert watchdog.seconds == 900  # half of --dist-timeout, however large: the user's bound
-    hangs.progress()  # start-up, the first step: not watched yet
+    watch = SimpleNamespace(progress=watchdog.progress)  # progress.Watch's, on several ranks
+    micro_step = lambda: progress.RunStats.micro_step(SimpleNamespace(step_pairs=None, watch=watch),
+                                                      loss.Summed(torch.zeros(())))
+    micro_step()  # start-up, the first step: not watched yet
     assert watchdog.last is None
     watchdog.beat(1)
-    micro_step = lambda: progress.RunStats.micro_step(SimpleNamespace(step_pairs=None), loss.Summed(torch.zeros(())))
     for _ in range(10):
         now[0] += 200
         assert not watchdog.overdue(watchdog.last)
@@ -356,7 +358,7 @@ def test_micro_steps_are_progress_so_a_long_step_is_not_a_hang(tmp_path, monkeyp
     now[0] += 901
     assert watchdog.overdue(watchdog.last)  # one micro-step longer than the bound
     watchdog.stop()
-    hangs.progress()  # the evaluation and export after the last step
+    micro_step()  # the evaluation and export after the last step
     assert watchdog.last is None
 
 
@@ -388,7 +390,7 @@ def test_the_flight_recorder_dumped_is_the_one_that_holds_the_training_collectiv
         monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
         hangs.dump_flight_recorder(tmp_path / backend / "rank_0")
         assert (tmp_path / backend / "rank_0").read_bytes() == backend.encode()
-    checkpoints.prepare_output_dir(tmp_path / "run", overwrite=False, resume=None, rank=1)
+    checkpoints.prepare_output_dir(tmp_path / "run", overwrite=False, rank=1)
     assert (tmp_path / "run").is_dir()
 
 
@@ -400,7 +402,7 @@ def test_stop_finds_its_world_at_the_first_step_and_a_stopped_run_leaves_the_gro
 
     from finetune import distributed
 
-    stop = checkpoints.Stop(tmp_path)  # no process group yet
+    stop = training.Stop(tmp_path)  # no process group yet
     votes = []
     with monkeypatch.context() as m:  # two gloo ranks, as the Trainer makes them after
         m.setattr(dist, "is_initialized", lambda: True)

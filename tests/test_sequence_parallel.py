@@ -1,13 +1,14 @@
 """--sequence-parallel (Ulysses) in zero-optimization.py on CPU (gloo has the all-to-all): each sequence split over
 ranks trains as single-gpu.py on the same batches, documents and sliding windows kept apart, under ZeRO-2 and
 ZeRO-3, with LoRA, offload and gradient checkpointing, resumed with another N; and each refusal is one line."""
+import types
 import numpy as np
 import pytest
 import torch
 
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, build, check,
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, build, check, cpu_process,
                      crash_after_first_checkpoint, launch, load_script, results, weights)
-from finetune import sequence_parallel as sp
+from finetune.internals import sequence_parallel as sp
 from finetune import zero_config
 
 single = load_script("single-gpu.py")
@@ -71,7 +72,8 @@ def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
     ids = np.array([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
     positions = np.array([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
     labels = np.array([[11, 12, -100, 14, -100], [-100, 22, 23, 24, -100]])
-    shards = [sp.shard(ids, positions, labels, rank, 2, torch.device("cpu")) for rank in (0, 1)]
+    host = types.SimpleNamespace(ids=ids, positions=positions, labels=labels)  # (Blocks.rows gives these)
+    shards = [sp.shard(host, rank, 2, cpu_process(0, None)) for rank in (0, 1)]
     assert [s[0]["input_ids"].tolist() for s in shards] == [[[10, 11, 12], [20, 21, 22]], [[13, 14, 0], [23, 24, 0]]]
     assert [s[0]["position_ids"].tolist() for s in shards] == [[[0, 1, 2], [0, 1, 2]], [[0, 1, 0], [3, 4, 0]]]
     assert [s[1][0].tolist() for s in shards] == [[[11, 12, -100], [-100, 22, 23]],
@@ -169,12 +171,12 @@ def test_with_flash_attention_the_documents_laid_end_to_end_are_cut_into_the_sha
     from finetune import data, models
 
     config = single.parse_args(chats(tiny, tiny["model"], "/tmp/unused", **{"--batch-size": 4}))
-    train = data.prepare(config.data, models.load_tokenizer(config.model.model))[0]
+    train = data.prepare(config.data, models.load_tokenizer(config.model.model), seed=config.train.seed)[0]
     flash = SimpleNamespace(_attn_implementation="flash_attention_2")
     rows = [0, 1, 2, 3]
-    whole, (targets, *_) = train.batch(rows, 0, torch.device("cpu"), flash)
+    whole, (targets, *_) = train.batch(rows, cpu_process(0, flash))
     assert "cu_seq_lens_q" in whole and whole["input_ids"].shape[0] == 1
-    shards = [train.batch(rows, 0, torch.device("cpu"), flash, sequence_shard=(rank, 2)) for rank in (0, 1)]
+    shards = [train.batch(rows, cpu_process(0, flash), sequence_shard=(rank, 2)) for rank in (0, 1)]
     joined = torch.cat([s[0]["input_ids"] for s in shards], dim=1)
     width = whole["input_ids"].shape[1]
     cu = whole["cu_seq_lens_q"].tolist() + list(range(width + 1, joined.shape[1] + 1))  # then the pads, one each

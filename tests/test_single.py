@@ -1,5 +1,4 @@
 """single-gpu.py, in process: the demo, the batch-split invariance, resume, the export, and bad input."""
-import contextlib
 import gc
 import json
 import math
@@ -7,13 +6,15 @@ import re
 import shutil
 import weakref
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, crash_after_first_checkpoint,
-                     dropout_model, independent_loss, load_script, results, weights)
+from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, cpu_process,
+                     crash_after_first_checkpoint, dropout_model, independent_loss, load_script, results, weights)
 from finetune import checkpoints, data, models, training
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -47,7 +48,7 @@ def test_export_reloads_with_stock_transformers(tmp_path, tiny):
     total, count = independent_loss(out / "final", argv, "eval")
     assert total / count == pytest.approx(r["eval_loss"], rel=1e-5)
     config = single.parse_args(argv)
-    train = data.prepare(config.data, models.load_tokenizer(config.model.model))[0]
+    train = data.prepare(config.data, models.load_tokenizer(config.model.model), seed=config.train.seed)[0]
     first = training.GlobalBatches(len(train), 4 * 2, config.train.seed)(0)  # the first step's 8 sequences
     total, count = independent_loss(tiny["model"], argv, "train", first.tolist())  # before any update
     assert total / count == pytest.approx(r["losses"][0], rel=1e-5)
@@ -348,7 +349,7 @@ def test_the_sample_and_the_answers_are_generated_in_the_runs_precision(tmp_path
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
     with pytest.raises(RuntimeError, match="FlashAttention only supports"):  # outside the autocast: refused
         models._generate(AutoModelForCausalLM.from_pretrained(out / "final"), tokenizer, tokenizer("Hi")["input_ids"],
-                         torch.device("cpu"), contextlib.nullcontext())
+                         cpu_process(tokenizer.pad_token_id, None))
 
 
 def test_a_generation_that_failed_on_some_zero3_ranks_ends_the_run_and_on_all_is_a_line():
@@ -363,15 +364,16 @@ def test_a_generation_that_failed_on_some_zero3_ranks_ends_the_run_and_on_all_is
     store = HashStore()
     with pytest.raises(SystemExit, match=r"^error: rank 1 could not generate under ZeRO-3 \(RuntimeError: CUDA out "
                                          r"of memory. Tried to allocate 2.00 GiB\) while 1 of 2 ranks went on"):
-        models._failed_together(error, store, rank=1, world_size=2, failure=1, wait_s=0.3)
-    done = []  # every rank fails the same generation: each goes on to its own line, none ends the run
-    ranks = [threading.Thread(target=lambda r=r: done.append(models._failed_together(error, store, r, 3, 2, wait_s=60)))
-             for r in range(3)]
-    for thread in ranks:
-        thread.start()
-    for thread in ranks:
-        thread.join()
-    assert done == [None, None, None]
+        models._failed_together(error, store, SimpleNamespace(rank=1, world_size=2), wait_s=0.3)
+    done, store = [], HashStore()  # every rank fails the same generation: each goes on to its own line, none ends
+    for _ in range(2):  # the run, at its first failure and again at its second (each rank counts its own)
+        ranks = [threading.Thread(target=lambda r=r: done.append(models._failed_together(
+            error, store, SimpleNamespace(rank=r, world_size=3), wait_s=60))) for r in range(3)]
+        for thread in ranks:
+            thread.start()
+        for thread in ranks:
+            thread.join()
+    assert done == [None] * 6
 
 
 def test_compile_makes_one_graph_and_then_never_compiles_anew(tiny, tmp_path, monkeypatch, capsys):
@@ -387,20 +389,20 @@ def test_compile_makes_one_graph_and_then_never_compiles_anew(tiny, tmp_path, mo
 
     monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_local_pgo", False)
     tokenizer = models.load_tokenizer(tiny["model"])
-    train = data.prepare(data_args(tiny["data"], block_size=64, packing="none"), tokenizer)[0]
+    train = data.prepare(data_args(tiny["data"], block_size=64, packing="none"), tokenizer, seed=0)[0]
     order = train.lengths.argsort().tolist()  # the shortest rows first: a width each pair
     rows = [order[2 * i:2 * i + 2] for i in range(8)]
     assert len({int(train.lengths[r].max()) for r in rows}) > 2  # widths that differ
     said = []
     graphs = {}
     for width in (None, 64):  # without the safety net
-        model = loss.attach(AutoModelForCausalLM.from_pretrained(tiny["model"], attn_implementation="sdpa"), 1024)
+        model = loss.CausalLMLoss(AutoModelForCausalLM.from_pretrained(tiny["model"], attn_implementation="sdpa"), 1024)
         model.compile(backend="eager")
         torch._dynamo.reset()
         counters.clear()
         for pair in rows:
-            inputs, targets = train.batch(pair, tokenizer.pad_token_id, torch.device("cpu"), model.config, width=width)
-            loss.token_loss_sum(model, inputs, targets).loss.backward()
+            inputs, targets = train.batch(pair, cpu_process(tokenizer.pad_token_id, model.config), width=width)
+            model(inputs, targets).loss.backward()
         graphs[width] = counters["stats"]["unique_graphs"]
     assert graphs == {None: 3, 64: 1}  # unpadded: a static graph, a dynamic one, then the dynamic count of pairs
     # the safety net: after 3 steps a batch of a width the graph was not made for runs eagerly, no new graph
@@ -408,10 +410,10 @@ def test_compile_makes_one_graph_and_then_never_compiles_anew(tiny, tmp_path, mo
     torch._dynamo.reset()
     warmup = training.CompileWarmup(True, 64, said.append)
     for step, width in enumerate([64, 64, 64, None]):
-        inputs, targets = train.batch(rows[step], tokenizer.pad_token_id, torch.device("cpu"), model.config,
+        inputs, targets = train.batch(rows[step], cpu_process(tokenizer.pad_token_id, model.config),
                                       width=width)
         with warmup.after_warmup(step):
-            loss.token_loss_sum(model, inputs, targets).loss.backward()
+            model(inputs, targets).loss.backward()
     assert inputs["input_ids"].shape[1] < 64 and counters["stats"]["unique_graphs"] == 1
     assert said == ["--compile: 1 graph compiled in the first 3 steps; from here a batch of another shape runs "
                     "eagerly, never compiled anew"]

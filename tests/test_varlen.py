@@ -1,15 +1,16 @@
-"""torch's own varlen FlashAttention for packed documents (finetune/varlen.py): the decision, fed the facts of GPUs,
-of torch's two forms of the function and of models; and the plumbing, fed a CPU reference of the kernel (torch's runs
-on CUDA only) that computes each document apart from the same cumulative lengths: the model's logits and gradients
-over a batch of packed documents are the stock model's on each document run alone."""
+"""torch's own varlen FlashAttention for packed documents (finetune/internals/varlen.py): the decision, fed the facts
+of GPUs, of torch's two forms of the function and of models; and the plumbing, fed a CPU reference of the kernel
+(torch's runs on CUDA only) that computes each document apart from the same cumulative lengths: the model's logits
+and gradients over a batch of packed documents are the stock model's on each document run alone."""
 import functools
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from finetune import data, demo, hardware, varlen
-from helpers import FAMILIES, SIZES, base_args, build, data_args, documents_of, load_script, results
+from finetune import data, hardware
+from finetune.internals import demo, varlen
+from helpers import FAMILIES, SIZES, base_args, build, cpu_process, data_args, documents_of, load_script, results
 from test_hardware import A100, CPU, H100, T4
 
 
@@ -90,9 +91,9 @@ def test_packed_documents_through_varlen_are_the_documents_run_apart(corpora, mo
     packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=varlen.NAME)
     tokenizer = corpora["tokenizer"] if corpus == "chats" else None
     settings = data_args(corpora[corpus], block_size=128 if family != "opt" else 64)
-    split, _ = data.prepare(settings, tokenizer or AutoTokenizer.from_pretrained(folder))
+    split, _ = data.prepare(settings, tokenizer or AutoTokenizer.from_pretrained(folder), seed=0)
     rows = [i for i in range(len(split)) if len(documents_of(split, i)) >= 2][:3]  # blocks of several documents
-    inputs, _ = split.batch(rows, 0, torch.device("cpu"), packed.config)
+    inputs, _ = split.batch(rows, cpu_process(0, packed.config))
     cu = inputs["cu_seq_lens_q"]
     assert "attention_mask" not in inputs and len(cu) > 4 and int(cu.diff().max()) > 16  # several documents, long
     logits = packed(**inputs).logits[0]
@@ -145,9 +146,9 @@ def test_under_autocast_the_kernel_gets_one_16_bit_dtype(corpora, monkeypatch, k
         build("llama", corpora["tokenizer"], folder, max_position_embeddings=256)
     stock = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     packed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=varlen.NAME)
-    split, _ = data.prepare(data_args(corpora["chats"], block_size=128), corpora["tokenizer"])
+    split, _ = data.prepare(data_args(corpora["chats"], block_size=128), corpora["tokenizer"], seed=0)
     rows = [i for i in range(len(split)) if len(documents_of(split, i)) >= 2][:3]
-    inputs, _ = split.batch(rows, 0, torch.device("cpu"), packed.config)
+    inputs, _ = split.batch(rows, cpu_process(0, packed.config))
     cu, ids, positions = inputs["cu_seq_lens_q"], inputs["input_ids"][0], inputs["position_ids"][0]
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         logits = packed(**inputs).logits[0].float()

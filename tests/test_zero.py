@@ -165,7 +165,8 @@ def test_fp16_under_zero_tracks_the_single_process_fp16_run(tiny, tmp_path, monk
     scale doubling every 3 clean steps. They round differently: measured 2e-4 apart in the losses and 4e-3 in the
     norms, as far as either is from fp32 (so no tolerance tells fp16 from fp32 here: what ran is read from the
     engine). What DeepSpeed 0.19.8 gets wrong is a factor of 2 or more: ZeRO-0 leaves the loss unscaled in backward
-    (updates 2^-16 times too small), and every stage grows the scale before unscaling with it (mends.mend)."""
+    (updates 2^-16 times too small), and every stage grows the scale before unscaling with it (the mends:
+    docs/deepspeed-upstream.md)."""
     from finetune import training
     monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 10)
     monkeypatch.setitem(training.FP16_SCALER, "growth_interval", 3)
@@ -184,6 +185,30 @@ def test_fp16_under_zero_tracks_the_single_process_fp16_run(tiny, tmp_path, monk
         resumed = cpu_fp16(tiny, tmp_path, "two", 2, stage, 10, 3, **flags, **{"--resume": "newest"})
         assert_close_losses(two["losses"], resumed["losses"], rtol=1e-6)
         assert_close_losses(two["grad_norms"], resumed["grad_norms"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("stage, mends", [(0, "none"), (2, "none"), (3, "none"), (1, "0.19.9")])
+def test_deepspeeds_own_code_trains_the_same_without_the_mends(tiny, tmp_path, reference, stage, mends):
+    """--mends none: DeepSpeed's own code at every stage, its speed mends and fixes off (in fp32 only one fix
+    concerns a step: ZeRO-0's dropped norm), trains to the single process's losses; one line says what is off. A
+    DeepSpeed the mends were not written for (its version string fed: tests/as_deepspeed.py) trains too: its speed
+    mends off, the fixes whose defect its source still holds on, one line naming them."""
+    out = tmp_path / "run"
+    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage}) + ["--deepspeed"]
+    if mends == "none":
+        run = check(launch("forked", ZERO, argv + ["--mends", "none"]))
+        assert "--mends none: DeepSpeed's own code where" in run.stdout
+    else:
+        run = check(launch("forked", "tests/as_deepspeed.py", [mends, ZERO, *argv]))
+        assert f"DeepSpeed {mends} is not the 0.19.8 the mends were written for: its own code runs where" in run.stdout
+        assert "on, its defect found: checkpoints_load_no_code" in run.stdout
+    r, (ref, ref_weights) = results(out), reference()
+    assert_close_losses(ref["losses"], r["losses"])
+    if stage == 0:  # DeepSpeed drops ZeRO-0's norm (clip_keeps_the_norm_at_stage0 keeps it)
+        assert all(math.isnan(n) for n in r["grad_norms"])
+    else:
+        assert_close_losses(ref["grad_norms"], r["grad_norms"])
+    assert_same_weights(ref_weights, weights(out / "final"))
 
 
 def test_fp16_overflows_skip_the_same_steps_on_any_number_of_ranks(tiny, tmp_path):

@@ -2,7 +2,7 @@
 in some way puts this folder (and the repository) on PYTHONPATH with one of the variables below, and Python runs
 this file as each process starts (its sitecustomize), patching finetune before the script runs.
 
-FINETUNE_TEST_HOLD=N: a run that starts afresh waits after step N until a signal reaches a rank (checkpoints.Stop),
+FINETUNE_TEST_HOLD=N: a run that starts afresh waits after step N until a signal reaches a rank (training.Stop),
     so that a signal sent through a scheduler's queues (seconds on a busy machine) finds the tiny run training.
 FINETUNE_TEST_STALL=rank:step[,rank:step:freeze]: each such rank stops after that step (hangs.Watchdog.beat): it
     sleeps (its watchdog reports), or it freezes (SIGSTOP, as a frozen node: nothing of it reports).
@@ -19,12 +19,12 @@ def hold_after(step):
     import time
     from pathlib import Path
 
-    from finetune import checkpoints
+    from finetune import training
 
-    made, due = checkpoints.Stop.__init__, checkpoints.Stop.due
+    made, due = training.Stop.__init__, training.Stop.due
 
-    def init(self, out):
-        made(self, out)
+    def init(self, out, **kwargs):
+        made(self, out, **kwargs)
         self.test_hold = step if not (Path(out) / "checkpoints" / "latest").exists() else 0
         self.test_steps = 0
 
@@ -36,14 +36,14 @@ def hold_after(step):
                 return stopping
             time.sleep(0.1)
 
-    checkpoints.Stop.__init__, checkpoints.Stop.due = init, due_or_hold
+    training.Stop.__init__, training.Stop.due = init, due_or_hold
 
 
 def stall(plan):
     import signal
     import time
 
-    from finetune import hangs
+    from finetune.internals import hangs
 
     stalls = [part.split(":") for part in plan.split(",") if part]
     watched = hangs.Watchdog.beat

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository: the scripts, the configs, .demo/
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the scripts, the configs, .demo/
 DEMO_DIR = ROOT / ".demo"  # built on first use, ignored by git
 
 

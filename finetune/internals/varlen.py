@@ -46,7 +46,7 @@ def fits(kernel_form, head_dim, window, softcap, dropout, interface, sinks, unev
 
 def model_facts(config, architecture):
     """fits()'s facts of a model, from its config and its class (a model without attention heads fits nothing)."""
-    from .hardware import text_config
+    from ..hardware import text_config
 
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)

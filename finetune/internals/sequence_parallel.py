@@ -25,8 +25,8 @@ import math
 import numpy as np
 import torch
 
-from . import hardware
-from .base import fail
+from .. import hardware
+from ..base import fail
 
 SHARDED = "sequence_sharded"  # the batch key that marks a training batch cut into sequence shards
 DOCUMENTS, PLAIN = "sp_documents", "sp_one_document_a_row"  # SDPA: each token's document in the whole rows; no mask
@@ -160,27 +160,27 @@ def documents_attention(sdpa, masks):
     return attention
 
 
-def shard(ids, positions, labels, rank, size, device, layout="bool"):
-    """This rank's shard of a training batch (Blocks.batch's token ids, positions and shifted targets, on the host):
+def shard(host, rank, size, process, layout="bool"):
+    """This rank's shard of a training batch (`host`: Blocks.rows' token ids, positions and shifted targets):
     the rows padded to a multiple of `size` tokens (a pad: position 0, no loss, a segment of its own), then cut into
     `size` slices; the rank of an SP group takes its slice. The targets were shifted on the whole row, so the shards
     together predict exactly the row's tokens. With them, where the documents of the whole rows begin, which every
     rank's attention sees after the all-to-all: FlashAttention's boundaries (`layout` varlen: one row), or SDPA's
     tokens' documents. Returns the model's inputs and the loss targets, as Blocks.batch."""
-    width = ids.shape[1]
+    ids, positions, labels, width = host.ids, host.positions, host.labels, host.ids.shape[1]
     padded = math.ceil(width / size) * size
     pad = lambda x, value: np.pad(x, ((0, 0), (0, padded - width)), constant_values=value)  # noqa: E731
     ids, positions, labels = pad(ids, 0), pad(positions, 0), pad(labels, -100)
     starts = positions == 0
     if layout == "varlen":
         bounds = np.append(np.flatnonzero(starts[0]), padded).astype(np.int32)
-        cu, longest = hardware.to_device(bounds, device), int(np.diff(bounds).max())
+        cu, longest = process.to_device(bounds), int(np.diff(bounds).max())
         whole = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     else:
-        whole = {DOCUMENTS: hardware.to_device(np.cumsum(starts, axis=1), device),
+        whole = {DOCUMENTS: process.to_device(np.cumsum(starts, axis=1)),
                  PLAIN: bool(starts.sum() == starts.shape[0] and starts[:, 0].all())}
     piece = slice(rank * (padded // size), (rank + 1) * (padded // size))
     ids, positions, labels = ids[:, piece], positions[:, piece], labels[:, piece]
-    index = hardware.to_device(np.flatnonzero(labels != -100), device)
-    ids, positions, labels = hardware.to_device(np.stack([ids, positions, labels]), device)
+    index = process.to_device(np.flatnonzero(labels != -100))
+    ids, positions, labels = process.to_device(np.stack([ids, positions, labels]))
     return {"input_ids": ids, "position_ids": positions, "use_cache": False, SHARDED: True, **whole}, (labels, index)

@@ -20,9 +20,8 @@ import time
 import traceback
 from pathlib import Path
 
-from . import tracking
 
-ROOT = Path(__file__).resolve().parent.parent  # this project's code: the scripts and the package
+ROOT = Path(__file__).resolve().parents[2]  # this project's code: the scripts and the package
 FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank keeps in its flight recorder (a few hundred KB)
 HUNG = 3  # the exit status of a run ended by a hang report
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -43,17 +42,6 @@ def threshold(dist_timeout):
     return dist_timeout / 2
 
 
-active = None  # this process's watchdog, if any: progress() reaches it from the loss, called once per micro-step
-clock = time.monotonic  # (a test drives it)
-
-
-def progress():
-    """A micro-step is made (progress.RunStats.micro_step): the rank is alive and working."""
-    watchdog = active
-    if watchdog is not None and watchdog.last is not None:  # armed (after the first step) and not stopped
-        watchdog.last = clock()
-
-
 def flight_recorder_env(out, environ=None):
     """torch's flight recorder, set before the process group is made (torch reads it then). torch 2.13 keeps one for
     the gloo and NCCL groups alike (FlightRecorder.hpp: TORCH_FR_BUFFER_SIZE, 2000 entries unless set; the older
@@ -69,25 +57,29 @@ def flight_recorder_env(out, environ=None):
     return wanted
 
 
-reported = threading.Event()  # this rank has written its hang report: a signal now ends it at once (Stop)
-
-
 class Watchdog:
-    """A thread of each rank that watches the steps finish (beat()). Off during pauses (evaluation, checkpoints:
-    their collectives are bounded by --dist-timeout) and before the first step ends (start-up, compilation)."""
+    """A thread of each rank that watches the steps finish (beat()) and the micro-steps begin (progress()). Off during
+    pauses (evaluation, checkpoints: their collectives are bounded by --dist-timeout) and before the first step ends
+    (start-up, compilation). `reported` is set once this rank has written its report: a signal then ends the process
+    at once (training.Stop), as it has no step to finish. `clock`: time.monotonic (a test drives its own)."""
 
-    def __init__(self, out, dist_timeout, rank, ranks, store=None, poll=1.0):
+    def __init__(self, out, dist_timeout, rank, ranks, *, store=None, before_exit=None, poll=1.0, clock=time.monotonic):
         self.out, self.rank, self.ranks, self.store, self.poll = Path(out), rank, ranks, store, poll
-        self.dist_timeout, self.seconds = dist_timeout, threshold(dist_timeout)
+        self.before_exit = before_exit  # what rank 0 writes before it ends the job (the trackers' records)
+        self.dist_timeout, self.seconds, self.clock = dist_timeout, threshold(dist_timeout), clock
         self.step, self.last, self.last_wall, self.paused = 0, None, None, False
+        self.reported = threading.Event()
         self.main = threading.main_thread()
-        global active
-        active = self
         threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
+
+    def progress(self):
+        """A micro-step is made (progress.RunStats.micro_step): the rank is alive and working."""
+        if self.last is not None:  # armed (after the first step) and not stopped
+            self.last = self.clock()
 
     def beat(self, step):
         """A step finished."""
-        self.step, self.last, self.last_wall = step, clock(), time.time()
+        self.step, self.last, self.last_wall = step, self.clock(), time.time()
 
     def stop(self):
         """No steps left to watch (the evaluation and export after the last one are bounded by --dist-timeout)."""
@@ -96,10 +88,10 @@ class Watchdog:
     def pause(self, paused):
         self.paused = paused
         if not paused and self.last is not None:
-            self.last = clock()
+            self.last = self.clock()
 
     def overdue(self, last):
-        return last is not None and not self.paused and clock() - last > self.seconds
+        return last is not None and not self.paused and self.clock() - last > self.seconds
 
     def _watch(self):
         while True:
@@ -113,7 +105,7 @@ class Watchdog:
         """This rank's stacks to hang/rank-N.txt and its whereabouts to the store; rank 0 then gathers them, says
         the one line, and ends the job (the launcher stops the other ranks). `last`: the monotonic time of its last
         progress; the collective it hangs in began after it, and times out --dist-timeout after that."""
-        reported.set()
+        self.reported.set()
         folder = self.out / "hang"
         folder.mkdir(parents=True, exist_ok=True)
         where = whereabouts(sys._current_frames().get(self.main.ident))
@@ -130,8 +122,8 @@ class Watchdog:
             return
         places = {0: where}
         # the other ranks' watchdogs fire about as late; a frozen rank's never does: the line must come first
-        deadline = min(clock() + 30.0, last + REPORT_BY * self.dist_timeout)
-        while len(places) < self.ranks and clock() < deadline:
+        deadline = min(self.clock() + 30.0, last + REPORT_BY * self.dist_timeout)
+        while len(places) < self.ranks and self.clock() < deadline:
             for r in range(1, self.ranks):
                 if r not in places and self.store.check([f"hang/rank-{r}"]):
                     places[r] = self.store.get(f"hang/rank-{r}").decode()
@@ -142,7 +134,7 @@ class Watchdog:
         print(line, file=sys.stderr, flush=True)
         # what the trackers were given is written before the exit below skips every exit handler; bounded, the
         # main thread being stuck is why we are here
-        closing = threading.Thread(target=tracking.close_all, daemon=True)
+        closing = threading.Thread(target=self.before_exit or (lambda: None), daemon=True)
         closing.start()
         closing.join(timeout=20)
         end_launcher_sessions(os.environ.get("MASTER_PORT"))
@@ -227,7 +219,7 @@ def end_launcher_sessions(master_port, grace=SESSIONS_GRACE):
     pdsh then exits non-zero, and the launcher with it. Nothing happens where no pdsh of this job runs here (torchrun,
     srun, one host, or rank 0 not on the launching host)."""
     if master_port:
-        subprocess.Popen([sys.executable, "-m", "finetune.hangs", str(master_port), str(grace)], cwd=ROOT,
+        subprocess.Popen([sys.executable, "-m", "finetune.internals.hangs", str(master_port), str(grace)], cwd=ROOT,
                          start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
 
@@ -271,6 +263,6 @@ def end_sessions(master_port, grace):
         wait(5)
 
 
-if __name__ == "__main__":  # end_launcher_sessions' helper: python -m finetune.hangs PORT GRACE
+if __name__ == "__main__":  # end_launcher_sessions' helper: python -m finetune.internals.hangs PORT GRACE
     end_sessions(sys.argv[1], float(sys.argv[2]))
 
