@@ -23,7 +23,8 @@ demo: $(VENV)/installed
 	$(PY) single-gpu.py --demo --batch-size 16 --output-dir out/demo-single-gpu --overwrite
 	$(DEEPSPEED) zero-optimization.py --demo --zero-stage 3 --batch-size $$((16 / $(DEMO_RANKS))) \
 		--output-dir out/demo-zero --overwrite
-	$(DEEPSPEED) sequence_classification.py --demo --deepspeed --output-dir out/demo-classification --overwrite
+	$(DEEPSPEED) sequence_classification.py --demo --deepspeed ds_config_zero2.json \
+		--output-dir out/demo-classification --overwrite
 	@$(PY) -c 'from finetune.internals import demo; demo.summary("out/demo-single-gpu", "out/demo-zero", "out/demo-classification")'
 
 $(VENV)/tests-installed: $(VENV)/installed tests/requirements.txt

@@ -134,7 +134,7 @@ def count_params(config):
     return sum(n for n, _ in params), max(n for n, _ in params)
 
 
-def model_states(params, hidden, precision, ranks, option, layer=None):
+def model_states(params, hidden, precision, ranks, option, *, layer=None):
     """Bytes of model states one rank holds: {"after_backward", "after_step", "in_step", "gpu", "cpu"} (gpu/cpu:
     how the after-backward figure splits with offload). b: bytes of a weight in the training precision. layer: the
     parameters of the model's largest transformer layer, ZeRO-3's leaf (zero_config.zero3_layers), or None."""
@@ -218,7 +218,7 @@ def active_parameters(config):
     return sum(p.numel() * k // experts if p.dim() == 3 and p.shape[0] == experts else p.numel() for p in unique)
 
 
-def activations(batch, seq, config, precision, checkpointing, loss_chunk, sequence_parallel=1, autocast=False):
+def activations(batch, seq, config, precision, *, checkpointing, loss_chunk, sequence_parallel=1, autocast=False):
     """Peak bytes of activations per GPU: what a layer keeps for its backward pass (memory.layer_bytes: counted for
     this model and precision; where it cannot be, Korthikanti et al.'s 34·s·b·h in 16 bits, twice that in fp32, 19 of
     them the MLP's at 4h, a mixture of experts' for the experts a token goes through), one layer's and the layers'
@@ -270,11 +270,11 @@ def plan(args):
         # ZeRO-0 in bf16 autocasts over fp32 weights (zero_config.autocast_at_stage0), but for a 16-bit frozen base
         autocast = option == "ZeRO-0" and args.precision == "bf16" and not args.lora_rank and not bits
         acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
-                                            args.gradient_checkpointing, args.loss_chunk, args.sequence_parallel,
-                                            autocast)
+                                            checkpointing=args.gradient_checkpointing, loss_chunk=args.loss_chunk,
+                                            sequence_parallel=args.sequence_parallel, autocast=autocast)
         acts = acts_at(args.block_size)
         states = {k: v + (constants if k != "cpu" else 0)
-                  for k, v in model_states(held, hidden, args.precision, ranks, option, layer).items()}
+                  for k, v in model_states(held, hidden, args.precision, ranks, option, layer=layer).items()}
         transient = b * dequantized  # a quantized layer's weight, dequantized for its matmul
         # the reduce buckets (x2: overlap_comm, 2+ GPUs); on one GPU without offload nothing is reduced
         if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload") and (ranks > 1 or "offload" in option):

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 # finetune before the Trainer: importing the Trainer imports bitsandbytes, whose notice finetune/__init__.py quiets
-from finetune import base, checkpoints, data, distributed, hardware, models, training, zero_config
-from finetune.internals import demo
+from finetune import base, checkpoints, data, distributed, flags, hardware, models, training, zero_config
+from finetune.internals import demo, mends
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -66,22 +66,24 @@ def classification_metrics(logits, labels, num_classes):
             "accuracy_then_loss": accuracy - min(cross_entropy, 100.0) / (101.0 * len(labels))}
 
 
-def trainer_deepspeed_config(path, device, hidden_size, args):
+def trainer_deepspeed_config(path, device, hidden_size, train):
     """The JSON for the Trainer, which fills the "auto" values its arguments set, but not the buckets and overlap_comm
-    (from the hardware) nor the optimizer (trainer_optimizer); and the TrainingArguments its AdamW section sets."""
+    (from the hardware) nor the optimizer (trainer_optimizer); and the TrainingArguments its AdamW section sets.
+    `train`: flags.Train."""
     if not path:
         return None, {}
     config = zero_config.choose_optimizer(zero_config.read_config(path), device.type == "cuda")
+    mends.before_engine(config)  # what DeepSpeed asks as the Trainer builds the engine, asked once
     section = config.get("zero_optimization", {})
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tuned = zero_config.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda", world_size)
     for key, value in tuned.items():
         if section.get(key) == "auto":
             section[key] = value
-    return config, trainer_optimizer(config, args, path)
+    return config, trainer_optimizer(config, train, path)
 
 
-def trainer_optimizer(config, args, path):
+def trainer_optimizer(config, train, path):
     """When the DeepSpeed config names the optimizer, transformers gives it all the parameters as one group
     (integrations/deepspeed.py: DummyOptim(params=model_parameters)), so weight decay would fall on biases and norms
     too, unlike the same run without DeepSpeed. So an AdamW section is taken out and the Trainer makes its own AdamW
@@ -93,8 +95,8 @@ def trainer_optimizer(config, args, path):
     if section.get("type", "").lower() not in ("adam", "adamw") or params.get("adam_w_mode") is False:
         return {}
     for key, flag in (("lr", "--lr"), ("weight_decay", "--weight-decay")):
-        if params.get(key, "auto") not in ("auto", getattr(args, key)):
-            base.fail(f"{path} sets optimizer.params.{key}={params[key]} but {flag} is {getattr(args, key)}; "
+        if params.get(key, "auto") not in ("auto", getattr(train, key)):
+            base.fail(f"{path} sets optimizer.params.{key}={params[key]} but {flag} is {getattr(train, key)}; "
                       f"set it to \"auto\" or change the flag")
     config.pop("optimizer")
     kwargs = {}
@@ -173,127 +175,107 @@ class StopOnSignal(TrainerCallback):
             self.step = state.global_step
 
 
+TRAIN = ("batch_size", "grad_accum", "lr", "weight_decay", "warmup_ratio", "max_grad_norm", "epochs", "seed")
+RUN = ("output_dir", "resume", "overwrite", "report_to", "verbose", "demo", "config")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # data (To-Do: your dataset, its text and label columns; --max-length to cover most texts)
-    p.add_argument("--dataset", default="imdb", help="hub name or local .csv/.json/.jsonl/.parquet")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--label-column", default="label", help="integers or strings; strings become class ids")
-    p.add_argument("--max-length", type=int, default=512, help="tokens per text; longer texts are cut")
-    # model (To-Do: your encoder; bf16 on A100/H100-class GPUs)
-    p.add_argument("--model", default="distilbert-base-uncased", help="hub id or local folder of an encoder")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow a model that ships its own code")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16", "fp16"],
-                   help="auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs")
-    # train (To-Do: the largest --batch-size that fits, then --grad-accum; --lr)
-    p.add_argument("--batch-size", type=int, default=16, help="texts per device per micro-step")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--lr", type=float, default=5e-5)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--warmup-ratio", type=float, default=0.05, help="share of the steps spent warming up the LR")
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--epochs", type=float, default=2)
-    p.add_argument("--seed", type=int, default=42)
-    # run
-    p.add_argument("--output-dir", default="out/classification")
-    p.add_argument("--resume", nargs="?", const="newest", choices=["newest", "auto"],
-                   help="continue from the newest checkpoint in --output-dir (auto: if there is one, else start)")
-    p.add_argument("--overwrite", action="store_true", help="replace a run already in --output-dir")
-    p.add_argument("--report-to", default="none", choices=["none", "tensorboard", "wandb"],
-                   help="W&B reads WANDB_API_KEY from the environment")
-    p.add_argument("--verbose", action="store_true", help="the libraries' warnings and logs too")
-    p.add_argument("--demo", action="store_true", help="tiny encoder + generated corpus shipped with the repo")
-    # DeepSpeed: off without the flag; --deepspeed alone is ds_config_zero2.json
-    p.add_argument("--deepspeed", "--deepspeed_config", nargs="?", const=str(base.ROOT / "ds_config_zero2.json"),
-                   metavar="CONFIG", help="DeepSpeed JSON config")
-    p.add_argument("--dist-timeout", type=int, default=1800, help="seconds a collective waits (a save, a lost rank)")
-    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-    args = p.parse_args(argv)
-    if args.demo:  # the demo changes the defaults; flags given on the command line still win
-        p.set_defaults(**demo.classification_defaults())
-        args = p.parse_args(argv)
-    return args
+    # To-Do: --dataset, its --text-column and --label-column, --max-length to cover most texts; your encoder (--model;
+    # --precision bf16 on A100/H100-class GPUs); the largest --batch-size that fits, then --grad-accum; --lr. The
+    # flags are the causal scripts' where they mean the same (finetune/flags.py), with this script's defaults; no
+    # --deepspeed: plain PyTorch. A recipe to keep: --config FILE (this run's run.json replays it)
+    flags.add_flags(p, flags.Data.taking("dataset", "text_column"), flags.Classifier,
+                    flags.Model.taking("model", "trust_remote_code", "precision"), flags.Train.taking(*TRAIN),
+                    flags.Run.taking(*RUN), flags.Zero.taking("deepspeed", "dist_timeout"), dataset="imdb",
+                    text_column="text", model="distilbert-base-uncased", batch_size=16, lr=5e-5, weight_decay=0.01,
+                    epochs=2, output_dir="out/classification", deepspeed=None)
+    return flags.parse(p, argv, demo_defaults=demo.classification_defaults)
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    config = parse_args(argv)  # frozen pieces: config.data, .classifier, .model, .train, .run, .zero (flags.py)
+    data_flags, model_flags, train_flags, run_flags = config.data, config.model, config.train, config.run
+    ds_path, text = config.zero.deepspeed, data_flags.text_column  # ds_path: DeepSpeed's config file, or None
 
     # -------------------------------------------------------------------------------- setup
     # who this process is (srun's tasks too), and its GPU, made current before anything touches CUDA: the Trainer
     # would set it only once it builds its state, after DeepSpeed's process group and the model
-    rank, local_rank, world_size = distributed.launch_env(world_of_one=bool(args.deepspeed))
+    rank, local_rank, world_size = distributed.launch_env(world_of_one=bool(ds_path))
     device = hardware.first_device(local_rank)
     say = print if rank == 0 else (lambda *a, **k: None)
-    if args.deepspeed:  # imported before quiet(), which silences the line its CPU all-reduce prints on every rank
+    if ds_path:  # imported before quiet(), which silences the line its CPU all-reduce prints on every rank
         import deepspeed
-    training.quiet(args.verbose, rank)
-    args.precision = hardware.choose_precision(args.precision, hardware.facts(device))
-    hardware.set_matmul_precision(args.precision)
-    for flag in ("lr", "batch_size", "grad_accum", "max_length", "epochs"):
-        if getattr(args, flag) <= 0:
-            base.fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    remote = {"trust_remote_code": args.trust_remote_code}  # off unless asked: it runs code from the model's repo
-    hidden_size = models.load_pretrained(AutoConfig, args.model, **remote).hidden_size
-    ds_config, optimizer_args = trainer_deepspeed_config(args.deepspeed, device, hidden_size, args)
-    if args.resume == "auto":  # one command line for the first submission and every requeue
-        args.resume = "newest" if not args.overwrite and complete_checkpoints(Path(args.output_dir) / "checkpoints") \
-            else None
-    out = checkpoints.prepare_output_dir(checkpoints.output_dir(args), args.overwrite, rank)
-    resume = check_trainer_resume(out / "checkpoints", world_size, args.deepspeed, rank) if args.resume else None
-    if resume:
-        say(f"resuming from {resume.name}")
+    training.quiet(run_flags.verbose, rank)
+    precision = hardware.choose_precision(model_flags.precision, hardware.facts(device))
+    config = config.resolved(precision=precision)  # (run.json keeps what ran)
+    hardware.set_matmul_precision(precision)
+    for name, value in (("lr", train_flags.lr), ("batch_size", train_flags.batch_size), ("epochs", train_flags.epochs),
+                        ("grad_accum", train_flags.grad_accum), ("max_length", config.classifier.max_length)):
+        if value <= 0:
+            base.fail(f"--{name.replace('_', '-')} must be positive, got {value}")
+    remote = {"trust_remote_code": model_flags.trust_remote_code}  # off unless asked: it runs the model repo's code
+    hidden_size = models.load_pretrained(AutoConfig, model_flags.model, **remote).hidden_size
+    ds_config, optimizer_args = trainer_deepspeed_config(ds_path, device, hidden_size, train_flags)
+    if run_flags.resume == "auto":  # one command line for the first submission and every requeue
+        done = complete_checkpoints(Path(run_flags.output_dir) / "checkpoints")
+        config = config.resolved(resume="newest" if done and not run_flags.overwrite else None)
+    out = checkpoints.output_dir(config.run)  # refused in one line where the flags would lose a run there
+    resume = check_trainer_resume(out / "checkpoints", world_size, ds_path, rank) if config.run.resume else None
     # before any process group: the bound on every collective
-    timeout = distributed.collective_settings(args.dist_timeout, args.output_dir)
-    if args.deepspeed:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
+    timeout = distributed.collective_settings(config.zero.dist_timeout, run_flags.output_dir)
+    if ds_path:  # join DeepSpeed's process group first: under ZeRO-3 the model is partitioned as it loads
         deepspeed.init_distributed(timeout=timeout)
-    stop = StopOnSignal(training.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
 
     # -------------------------------------------------------------------------------- data
-    train, evaluation = data.load_splits(args.dataset, seed=args.seed)
-    if args.text_column not in train.column_names:
-        base.fail(f"dataset {args.dataset} has no column {args.text_column!r} (it has "
-                  f"{', '.join(train.column_names)}); pass --text-column")
-    names, train, evaluation = class_labels(train, evaluation, args.label_column, args.dataset)
-    examples = list(evaluation.select(range(min(3, len(evaluation))))[args.text_column])  # shown at the end
-    tokenizer = models.load_pretrained(AutoTokenizer, args.model, **remote)
-    tokenize = lambda batch: tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length)
-    train, evaluation = (split.select_columns([args.text_column, "labels"]).map(
-        tokenize, batched=True, remove_columns=[args.text_column]) for split in (train, evaluation))
+    train, evaluation = data.load_splits(data_flags.dataset, seed=train_flags.seed)
+    if text not in train.column_names:
+        base.fail(f"dataset {data_flags.dataset} has no column {text!r} (it has {', '.join(train.column_names)}); "
+                  f"pass --text-column")
+    names, train, evaluation = class_labels(train, evaluation, config.classifier.label_column, data_flags.dataset)
+    examples = list(evaluation.select(range(min(3, len(evaluation))))[text])  # shown at the end
+    tokenizer = models.load_pretrained(AutoTokenizer, model_flags.model, **remote)
+    tokenize = lambda batch: tokenizer(batch[text], truncation=True, max_length=config.classifier.max_length)
+    train, evaluation = (split.select_columns([text, "labels"]).map(tokenize, batched=True, remove_columns=[text])
+                         for split in (train, evaluation))
     say(f"{len(train)} training and {len(evaluation)} eval texts, {len(names)} classes: {', '.join(names[:10])}")
 
     # -------------------------------------------------------------------------------- trainer
     # TrainingArguments before from_pretrained: with a ZeRO-3 config it makes from_pretrained load each rank's
     # shard only. The Trainer fills the config's "auto" values from these arguments.
     training_args = TrainingArguments(
-        output_dir=str(out / "checkpoints"), per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-        learning_rate=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_ratio,
-        max_grad_norm=args.max_grad_norm, num_train_epochs=args.epochs, lr_scheduler_type="cosine",
-        seed=args.seed, bf16=args.precision == "bf16", fp16=args.precision == "fp16",
+        output_dir=str(out / "checkpoints"), per_device_train_batch_size=train_flags.batch_size,
+        per_device_eval_batch_size=train_flags.batch_size, gradient_accumulation_steps=train_flags.grad_accum,
+        learning_rate=train_flags.lr, weight_decay=train_flags.weight_decay, warmup_steps=train_flags.warmup_ratio,
+        max_grad_norm=train_flags.max_grad_norm, num_train_epochs=train_flags.epochs, lr_scheduler_type="cosine",
+        seed=train_flags.seed, bf16=precision == "bf16", fp16=precision == "fp16",
         eval_strategy="epoch", save_strategy="epoch", save_total_limit=2, load_best_model_at_end=True,
         metric_for_best_model="accuracy_then_loss", greater_is_better=True,  # of equal accuracies, the lower loss
-        logging_steps=10, report_to=args.report_to, deepspeed=ds_config, disable_tqdm=not args.verbose,
-        log_level="warning" if args.verbose else "error",
+        logging_steps=10, report_to=list(run_flags.report_to), deepspeed=ds_config,
+        disable_tqdm=not run_flags.verbose, log_level="warning" if run_flags.verbose else "error",
         use_cpu=device.type == "cpu",  # on a machine without CUDA; without it a distributed launch miscounts ranks
-        dataloader_pin_memory=device.type == "cuda", ddp_timeout=args.dist_timeout, **optimizer_args)
-    set_seed(args.seed)  # the new head's random weights: the Trainer seeds only once the model exists
-    with quiet_loading(args.verbose):  # transformers reports the new head's weights as missing: they are new on purpose
+        dataloader_pin_memory=device.type == "cuda", ddp_timeout=config.zero.dist_timeout, **optimizer_args)
+    set_seed(train_flags.seed)  # the new head's random weights: the Trainer seeds only once the model exists
+    with quiet_loading(run_flags.verbose):  # transformers says the new head's weights are missing: new on purpose
         model = models.load_pretrained(
-            AutoModelForSequenceClassification, args.model, num_labels=len(names), **remote,
+            AutoModelForSequenceClassification, model_flags.model, num_labels=len(names), **remote,
             id2label=dict(enumerate(names)),
             label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)  # a fresh head for our labels
-    say(f"{args.model}: a new classification head for {len(names)} classes")
+    say(f"{model_flags.model}: a new classification head for {len(names)} classes")
     # The classification loss is a mean over the batch and ignores `num_items_in_batch`; the Trainer (transformers
     # 5.23) would still multiply it by the number of processes, doubling the gradients on 2 ranks.
     model.accepts_loss_kwargs = False
-
-    def compute_metrics(prediction):
-        return classification_metrics(prediction.predictions, prediction.label_ids, len(names))
-
+    checkpoints.prepare_output_dir(out, run_flags.overwrite, rank)  # nothing refuses the run now: --overwrite acts
+    if rank == 0:  # what ran, replayed by --config <output-dir>/run.json
+        base.write_json(out / "run.json", {"args": config.flat(), "world_size": world_size})
+    if resume:
+        say(f"resuming from {resume.name}")
+    stop = StopOnSignal(training.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
     trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                       processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-                      compute_metrics=compute_metrics, callbacks=[EpochLine(say), stop])
-    if not args.verbose:
+                      compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, len(names)),
+                      callbacks=[EpochLine(say), stop])
+    if not run_flags.verbose:
         trainer.remove_callback(PrinterCallback)  # a dict of figures every logging_steps: EpochLine instead
 
     # -------------------------------------------------------------------------------- train, evaluate, save
@@ -317,9 +299,9 @@ def main(argv=None):
         say(f"accuracy {results['accuracy']:.3f} | macro-F1 {results['f1_macro']:.3f} | "
             f"eval loss {results['eval_loss']:.4f} | saved {final}")
         classify = pipeline("text-classification", model=str(final), device=device, **remote)
-        for text in examples:
-            answer = classify(text)[0]
-            say(f"{answer['label']:>12} ({answer['score']:.2f})  {text[:70]!r}")
+        for example in examples:
+            answer = classify(example)[0]
+            say(f"{answer['label']:>12} ({answer['score']:.2f})  {example[:70]!r}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # leave the group cleanly: no abort at exit
     return results

@@ -75,7 +75,8 @@ def main(argv=None):
     stats = progress.RunStats(model, config, process)  # losses, throughput and MFU, out of the loop's way
     stop = training.Stop(out, hung=stats.watch.hung)  # SIGTERM, SIGUSR1: stop at a step's end, with a checkpoint
     if folder:  # into the model, the optimizer, the schedule and the scaler; nothing of the file is kept
-        stats.restore(checkpoints.load_state(folder, model, optimizer, scheduler, scaler, device))
+        stats.restore(checkpoints.load_state(folder, device, model=model, optimizer=optimizer, scheduler=scheduler,
+                                             scaler=scaler))
         say(f"resumed at step {stats.step} of {total_steps} from {folder}")
     with stats.paused():  # preference pairs (DPO): the model as loaded scores them, once (not training time)
         train, evals = preference.reference(model, (train, evals), config, out, process)  # the pairs with theirs
@@ -117,7 +118,7 @@ def main(argv=None):
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or stats.save_due(step, total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
-                record = checkpoints.run_record(step + 1, config, global_batch, world_size, model, stats)  # run.json
+                record = checkpoints.run_record(step + 1, config, model, stats, global_batch)  # run.json
                 with checkpoints.saving(out, record, config.run.keep_checkpoints, rank) as folder:  # disk full: a line
                     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
@@ -125,7 +126,7 @@ def main(argv=None):
         if stopping:
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
     # -------------------------------------------------------------------------------- sample and save
-    checkpoints.load_best(model, out, stats, config.run.final, world_size, say)  # --final best: its checkpoint
+    checkpoints.load_best(model, out, stats, config.run.final, process)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sample = models.sample(model, tokenizer, config.run.prompt, evals, process)  # or why not
     results = {**stats.results(world_size, global_batch, held), "sample": sample}

@@ -66,7 +66,7 @@ def main(argv=None):
     # ZeRO: fill the JSON's "auto" values from the flags; the engine builds the optimizer it names
     ds_config = zero_config.deepspeed_config(config, world_size, total_steps, warmup_steps, model_config)
     # ZeRO: the newest checkpoint, or its universal form when another number of ranks wrote it
-    folder = zero.resume_folder(out, config, world_size, ds_config, rank, say) if config.run.resume else None
+    folder = zero.resume_folder(out, config, ds_config, rank, world_size, say=say) if config.run.resume else None
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # ZeRO-3: from_pretrained loads each rank's shard, never a full copy
     model = models.load_causal_lm(config.model, model_config, device)  # fp32 master weights, the fastest attention
     model_config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
@@ -105,7 +105,7 @@ def main(argv=None):
         predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch
         step_loss = torch.zeros((), device=device)
         for micro in indices.view(config.train.grad_accum, -1):
-            share = micro.view(-1, config.train.batch_size)[rank // config.sequence_parallel]  # ZeRO: this replica's
+            share = micro.view(-1, config.train.batch_size)[rank // config.zero.sequence_parallel]  # ZeRO: its share
             inputs, targets = train.batch(share, process, width=compiled.width, sequence_shard=shard)  # ZeRO
             with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
                 summed = model(inputs=inputs, targets=targets)  # the batch's summed loss (loss.CausalLMLoss)
@@ -128,7 +128,7 @@ def main(argv=None):
         stopping = stop.due()  # a signal reached any rank (under ZeRO the ranks agree: one tiny all-reduce)
         if stopping or stats.save_due(step, total_steps):
             with stats.paused():  # into a temporary folder; published (renamed, then pointed to) only once complete
-                record = checkpoints.run_record(step + 1, config, global_batch, world_size, model, stats)  # run.json
+                record = checkpoints.run_record(step + 1, config, model, stats, global_batch)  # run.json
                 with checkpoints.saving(out, record, config.run.keep_checkpoints, rank) as folder:  # disk full: a line
                     torch.save(checkpoints.rng_state(device), folder / f"rng-{rank}.pt")  # ZeRO: per rank
                     # ZeRO: a collective: every rank writes its shards (DeepSpeed's own `latest` would move before the
@@ -139,7 +139,7 @@ def main(argv=None):
         if stopping:
             stop.exit(step + 1, say)  # every rank, once the checkpoint is published; exit status 75: resume me
     # -------------------------------------------------------------------------------- sample and save
-    checkpoints.load_best(model, out, stats, config.run.final, world_size, say)  # --final best: its checkpoint
+    checkpoints.load_best(model, out, stats, config.run.final, process)  # --final best: its checkpoint
     held = models.held_bytes(model, optimizer)  # per rank: weights, gradients, optimizer state (what plan.py plans)
     sample = models.sample(model, tokenizer, config.run.prompt, evals, process)  # or why not
     state = zero.gathered_state_dict(model)  # ZeRO: the last collective: the shards, whole, on rank 0

@@ -16,7 +16,8 @@ model's), 4 sequences of 64 tokens a rank:
 - syncs: the accelerator's synchronize() (torch.cuda.synchronize, DeepSpeed's get_accelerator().synchronize);
 - collectives: the process group's operations (all-reduce, reduce-scatter, all-gather, ...), by name;
 - calls: the Python functions called in the next step (counted apart, without the counting mode's own): the host's
-  interpreter work, which launches do not count (an engine's per-parameter hooks, each a dozen calls).
+  interpreter work, which launches do not count (an engine's per-parameter hooks, each a dozen calls); and the
+  project's modules whose code that step runs (what a reader follows a step through).
 The counts are those of a GPU run but for the branches DeepSpeed takes only on CUDA (its side streams and events;
 docs/gpu.md). bench/BENCHMARKS.md holds the table; tests/test_host_cost.py holds the budgets.
 """
@@ -168,10 +169,12 @@ def count(script, argv, where=False, step=COUNTED_STEP):
     the next (what the loop does after a step, its checks, then a whole step); then the Python calls of the step
     after it."""
     counter, end_step = HostWork(where), progress.RunStats.end_step
-    active, calls = contextlib.ExitStack(), [0]
+    active, calls, files = contextlib.ExitStack(), [0], set()
 
     def call(frame, event, arg):
-        calls[0] += event == "call"  # Python functions; "c_call" is a builtin's
+        if event == "call":  # Python functions; "c_call" is a builtin's
+            calls[0] += 1
+            files.add(frame.f_code.co_filename)
 
     def counting_end_step(stats, *args, **kwargs):
         end_step(stats, *args, **kwargs)
@@ -191,7 +194,9 @@ def count(script, argv, where=False, step=COUNTED_STEP):
         active.close()
         sys.setprofile(None)
         progress.RunStats.end_step = end_step
-    return {**counter.result(), "calls": calls[0]}
+    package = ROOT / "finetune"
+    modules = sorted(str(Path(f).relative_to(package)) for f in files if Path(f).is_relative_to(package))
+    return {**counter.result(), "calls": calls[0], "modules": modules}
 
 
 def count_run(name, precision, files, ranks=1, where=False, launch=None):

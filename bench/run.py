@@ -155,7 +155,7 @@ def planned_bytes(spec, config):
     option = "ZeRO-0" if spec["stage"] is None else f"ZeRO-{spec['stage']}"
     option += " + CPU offload" if spec["offload"] == "cpu" else ""
     return plan.model_states(plan.parameters(config, spec["lora"]), config.hidden_size, spec["precision"],
-                             spec["ranks"], option, plan.layer_params(config, spec["lora"]))["after_step"]
+                             spec["ranks"], option, layer=plan.layer_params(config, spec["lora"]))["after_step"]
 
 
 def main(argv=None):

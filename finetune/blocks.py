@@ -54,26 +54,9 @@ def write_split(batches, block_size, packing, folder, pairs=False):
     counts the attention's work). Written in chunks, so memory stays flat in the corpus size. `pairs`: each document
     is a preference pair (its rejected sequence flagged as a document start): a block's count is of its pairs, and
     pieces.npy lists the pairs (rows) of the blocks, in order."""
-    lengths = []
-    with open(folder / "source-tokens", "wb") as tokens_out, open(folder / "source-loss", "wb") as loss_out:
-        for batch in batches:
-            ids, loss = batch.column(0), batch.column(1)
-            lengths.append(np.diff(np.asarray(ids.offsets)))
-            tokens_out.write(np.asarray(ids.values, dtype=np.int32)[ids.offsets[0].as_py():].tobytes())
-            loss_out.write(np.asarray(loss.values, dtype=np.uint8)[loss.offsets[0].as_py():].tobytes())
-    lengths = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+    lengths = write_sources(batches, folder)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    if packing == "isolated":
-        doc, start, n, block = best_fit_decreasing(lengths, block_size)
-        src, new_segment = offsets[doc] + start, np.ones(len(doc), bool)
-    elif packing == "stream":  # concatenated and cut: each block is one segment, documents see each other
-        src = np.arange(0, offsets[-1], block_size)
-        n, block, new_segment = np.minimum(block_size, offsets[-1] - src), np.arange(len(src)), np.ones(len(src), bool)
-    else:  # one document per row, cut at block_size (the rest is dropped); a pair's two sequences, a row each later
-        keep = lengths > 0
-        doc, src = np.flatnonzero(keep), offsets[:-1][keep]
-        n = np.minimum(lengths[keep], 2 * block_size if pairs else block_size)  # (preference.fit fitted each)
-        block, new_segment = np.arange(len(src)), np.ones(len(src), bool)
+    doc, src, n, block = placed(lengths, offsets, block_size, packing, pairs)
     nblocks = int(block[-1]) + 1 if len(block) else 0
     count = lambda index, weights: np.bincount(index, weights, minlength=nblocks).astype(np.int64)
     table = np.zeros((nblocks, 4), dtype=np.int64)  # start, length, predicted tokens, attended
@@ -94,7 +77,7 @@ def write_split(batches, block_size, packing, folder, pairs=False):
         within = np.arange(first[-1] + m[-1]) - np.repeat(first, m)
         read, write = np.repeat(src[piece], m) + within, np.repeat(out[piece], m) + within
         flags = np.memmap(folder / "source-loss", np.uint8, "r")[read] & (LOSS | DOC_START | SHARED)
-        flags[first[new_segment[piece]]] = DOC_START | (flags[first[new_segment[piece]]] & SHARED)
+        flags[first] = DOC_START | (flags[first] & SHARED)  # every piece starts a segment
         table[:, 2] += count(np.repeat(block[piece], m), flags & LOSS)
         np.memmap(folder / "flags.bin", np.uint8, "r+")[write] = flags
         tokens = np.memmap(folder / "source-tokens", np.int32, "r")[read]
@@ -113,6 +96,34 @@ def write_split(batches, block_size, packing, folder, pairs=False):
     for name in ("source-tokens", "source-loss"):
         (folder / name).unlink()
     return int((lengths > block_size).sum()) if packing != "stream" else 0  # documents cut
+
+
+def write_sources(batches, folder):
+    """The documents' tokens and loss flags, one after the other, into source-tokens and source-loss; their lengths."""
+    lengths = []
+    with open(folder / "source-tokens", "wb") as tokens_out, open(folder / "source-loss", "wb") as loss_out:
+        for batch in batches:
+            ids, loss = batch.column(0), batch.column(1)
+            lengths.append(np.diff(np.asarray(ids.offsets)))
+            tokens_out.write(np.asarray(ids.values, dtype=np.int32)[ids.offsets[0].as_py():].tobytes())
+            loss_out.write(np.asarray(loss.values, dtype=np.uint8)[loss.offsets[0].as_py():].tobytes())
+    return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
+
+
+def placed(lengths, offsets, block_size, packing, pairs):
+    """(the document of each piece (None for a stream), where it starts in the source, its length, its block), in
+    block order, as --packing places them; each piece starts a segment of its block."""
+    if packing == "isolated":
+        doc, start, n, block = best_fit_decreasing(lengths, block_size)
+        return doc, offsets[doc] + start, n, block
+    if packing == "stream":  # concatenated and cut: each block is one segment, documents see each other
+        src = np.arange(0, offsets[-1], block_size)
+        return None, src, np.minimum(block_size, offsets[-1] - src), np.arange(len(src))
+    # one document per row, cut at block_size (the rest is dropped); a pair's two sequences, a row each later
+    keep = lengths > 0
+    doc, src = np.flatnonzero(keep), offsets[:-1][keep]
+    n = np.minimum(lengths[keep], 2 * block_size if pairs else block_size)  # (preference.fit fitted each)
+    return doc, src, n, np.arange(len(src))
 
 
 
@@ -269,7 +280,8 @@ class Blocks:
         # one row of the real tokens; FlashAttention takes the segments' boundaries
         ids, labels, starts, sequence = (x[real] for x in (ids, labels, starts, sequence))
         if prefix is not None:
-            ids, labels, starts, sequence = unshared(ids, labels, starts, sequence, shared[real], prefix[real])
+            ids, labels, starts, sequence = unshared(ids, labels, starts, sequence, shared=shared[real],
+                                                     prefix=prefix[real])
         at = np.arange(len(ids))
         positions = at - np.maximum.accumulate(np.where(starts, at, 0))
         ids, positions, labels, starts, sequence = (x[None] for x in (ids, positions, labels, starts, sequence))
@@ -292,7 +304,7 @@ def shared_prefix(starts, shared):
     return np.concatenate([[0], counts[:-1]])[segment].reshape(starts.shape)
 
 
-def unshared(ids, labels, starts, sequence, shared, prefix):
+def unshared(ids, labels, starts, sequence, *, shared, prefix):
     """FlashAttention's varlen layout (one row, cut at the segments' boundaries) cannot let a segment see another:
     each rejected answer gets its own copy of the shared prompt back, before it, carrying no loss."""
     at = np.flatnonzero(starts & (prefix > 0))  # the rejected answers' first tokens

@@ -61,7 +61,7 @@ def prepare_output_dir(out, overwrite, rank):
     return out
 
 
-def resume_folder(out, train, model, world_size, sequence_parallel=1, zero_stage=None):
+def resume_folder(out, train, model, world_size, *, sequence_parallel=1, zero_stage=None):
     """The newest complete checkpoint (`checkpoints/latest` only ever names one), and what it was written with (its
     run.json). The batch order is a function of the step and the global batch, so a resume that changes the global
     batch would train on other data: refused; and a change of ZeRO stage (each lays its files out differently), of the
@@ -217,11 +217,12 @@ def best(root):
     return min(scored)[2] if scored else None
 
 
-def load_best(model, out, stats, final, world_size, say):
+def load_best(model, out, stats, final, process):
     """--final best: load the checkpoint with the lowest eval loss (the earliest of equals; the one publish keeps)
     before the export, unless the model in memory, the last step's, is as good. Rank 0 reads the folder and the
     others take its choice (a shared file system may show them a rename late). Under DeepSpeed every rank loads its
-    shards (a collective), as on a resume. `final`: --final."""
+    shards (a collective), as on a resume. `final`: --final; `process`: training.Process."""
+    world_size, say = process.world_size, process.say
     stats.final_step = stats.step
     if final != "best":
         return
@@ -250,7 +251,7 @@ def load_best(model, out, stats, final, world_size, say):
     say(f"--final best: final/ is step {step}, eval loss {value:.4f} (the last step's: {stats.evals[-1][1]:.4f})")
 
 
-def load_state(folder, model, optimizer, scheduler, scaler, device):
+def load_state(folder, device, *, model, optimizer, scheduler, scaler):
     """single-gpu.py's resume from its state.pt: read on the host (torch.save kept the tensors' devices: a GPU run
     would load a second copy of its weights onto the GPU), memory-mapped on a GPU run (only what is copied is read),
     copied into the model, the optimizer (onto its parameters' device), the schedule and the scaler, and dropped.
@@ -264,17 +265,17 @@ def load_state(folder, model, optimizer, scheduler, scaler, device):
     return state["stats"]
 
 
-def run_record(step, config, global_batch, world_size, model, stats):
+def run_record(step, config, model, stats, global_batch):
     """run.json beside each checkpoint: what a resume checks, the run's arguments, the code's version, and the eval
     loss at this step when it was evaluated (what --keep-checkpoints keeps the best by). `config`: the run's Config
-    (flags.py), whose values --config FILE replays."""
+    (flags.py), whose values --config FILE replays; `stats`: progress.RunStats (its evals, its ranks)."""
     try:
         code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         code = None
     stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
-    return {"step": step, "global_batch_size": global_batch, "world_size": world_size, "zero_stage": stage,
+    return {"step": step, "global_batch_size": global_batch, "world_size": stats.ranks, "zero_stage": stage,
             "lora_rank": config.model.lora_rank, "eval_loss": dict(stats.evals).get(step), "args": config.flat(),
             "code_version": code}
 

@@ -23,7 +23,6 @@ from .base import fail
 from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
-CACHE = Path(os.environ.get("DATA_CACHE", Path.home() / ".cache" / "zero-template" / "data"))
 VERSION = 5  # of the prepared files' layout: part of the cache key
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
@@ -37,7 +36,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '### Assistant:\\n' }}{%- endif %}")
 
 
-def load_splits(name, config_name=None, seed=0, max_train_samples=0, eval_fraction=0.05, eval_name=None,
+def load_splits(name, config_name=None, *, seed=0, max_train_samples=0, eval_fraction=0.05, eval_name=None,
                 max_eval_samples=0):
     """Train and eval splits of a hub dataset (with its subset, `config_name`) or a local file. The eval split:
     `eval_name` (a local file, or a hub name with an optional :split), else the dataset's validation or test split,
@@ -165,7 +164,7 @@ def _chat_document(tokenizer, messages):
     return enc["input_ids"], mask
 
 
-def _documents(batch, indices, fmt, tokenizer, train_on_prompt, block_size, packing):
+def _documents(batch, indices, *, fmt, tokenizer, train_on_prompt, block_size, packing):
     """datasets.map function: each row becomes `ids` and `loss` (1 where a token is predicted), or an `error`."""
     eos, rows = tokenizer.eos_token_id, [dict(zip(batch, values)) for values in zip(*batch.values())]
     if fmt == "preference":  # a pair is one document (preference.py); packed, its prompt held once
@@ -232,7 +231,8 @@ def prepare(data, tokenizer, *, seed, local_rank=0):
     data, the tokenizer and the settings (a rerun or resume starts at once); the other ranks of the node wait for it
     (a wait on a file, not a collective: it does not time out on a large corpus), then every rank memory-maps the
     files, whose pages the node's ranks share. `data`: flags.Data; `seed` draws the held-out rows (--seed)."""
-    folder, started = CACHE / cache_key(data, tokenizer, seed), time.time()
+    cache = Path(data.cache_dir)
+    folder, started = cache / cache_key(data, tokenizer, seed), time.time()
     failed = folder.with_name(f"{folder.name}.failed")  # what local rank 0 could not prepare, for the others to say
     if local_rank == 0 and not (folder / "meta.json").exists():
         failed.unlink(missing_ok=True)
@@ -240,7 +240,7 @@ def prepare(data, tokenizer, *, seed, local_rank=0):
         try:
             _prepare(data, tokenizer, seed, folder, partial)
         except SystemExit as e:
-            CACHE.mkdir(parents=True, exist_ok=True)
+            cache.mkdir(parents=True, exist_ok=True)
             failed.write_text(str(e))
             raise
         finally:  # what a failed or interrupted preparation wrote is of no use to a rerun
@@ -276,8 +276,9 @@ def _prepare(data, tokenizer, seed, folder, partial):
 
     if tokenizer.eos_token_id is None:
         fail("the tokenizer has no EOS token; set tokenizer.eos_token before training")
-    train, evaluation = load_splits(data.dataset, data.dataset_config, seed, data.max_train_samples,
-                                    data.eval_fraction, data.eval_dataset, data.max_eval_samples)
+    train, evaluation = load_splits(data.dataset, data.dataset_config, seed=seed, eval_name=data.eval_dataset,
+                                    max_train_samples=data.max_train_samples, eval_fraction=data.eval_fraction,
+                                    max_eval_samples=data.max_eval_samples)
     fmt, names = find_format(train.column_names, data)
     if data.eval_dataset:  # the same kind of data: the columns the training rows are read from
         if not set(names.values()) <= set(evaluation.column_names):

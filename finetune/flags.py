@@ -21,7 +21,8 @@ from .base import ROOT, fail
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "torch_varlen")  # --attention's choices beside auto
 PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")  # --preference-loss, TRL's names (loss.PairLoss)
-RUN_CONTROL = ("resume", "overwrite", "config", "demo")  # how a run was started, not its recipe: --config skips them
+# how a run was started and on which machine, not its recipe: --config skips them
+RUN_CONTROL = ("resume", "overwrite", "config", "demo", "cache_dir")
 ZERO3_CONFIG = str(ROOT / "ds_config_zero3.json")
 
 
@@ -57,6 +58,13 @@ class Data(Piece):
     eval_fraction: float = flag(0.05, "share of the rows held out to evaluate on")
     max_eval_samples: int = flag(1000, "evaluate on N rows drawn once (0: all)")
     num_proc: int = flag(0, "processes that tokenize (0: the cores)")
+    cache_dir: str | None = flag(None, "where the prepared data is kept (default: $DATA_CACHE, else "
+                                 "~/.cache/zero-template/data)")
+
+    def __post_init__(self):  # the default's environment, read once, as the piece is made
+        if self.cache_dir is None:
+            default = os.environ.get("DATA_CACHE") or str(Path.home() / ".cache" / "zero-template" / "data")
+            object.__setattr__(self, "cache_dir", default)
 
 
 @dataclasses.dataclass(frozen=True)

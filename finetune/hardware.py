@@ -98,7 +98,7 @@ def autocast(device, precision):
     return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
-def attention(facts, precision, flash_installed, model_supports_flash, compatible_flash=None, torch_varlen=False):
+def attention(facts, precision, flash_installed, model_supports_flash, compatible_flash=None, *, torch_varlen=False):
     """The attention implementation: FlashAttention-2 where it runs (an NVIDIA GPU from Ampere on, 16-bit, the
     flash-attn package installed, a model that supports it): packed documents then go through its varlen kernel
     with no padding and no mask. Without the package, torch's own varlen FlashAttention on the same GPUs where the

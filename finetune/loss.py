@@ -125,8 +125,8 @@ def chunked_loss(hidden, head, chunk_tokens, targets, pair_loss=None):
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
     labels = targets.labels.flatten().index_select(0, targets.index)
     if targets.sequence is not None and targets.reference is None:  # the reference pass: log-probabilities only
-        return preference_loss(token_logps(hidden, head.weight, head.bias, labels, chunk_tokens, dtype), targets,
-                               pair_loss)
+        token = token_logps(hidden, head.weight, head.bias, labels, chunk=chunk_tokens, dtype=dtype)
+        return preference_loss(token, targets, pair_loss)
     if targets.sequence is not None:
         return LinearPreference.apply(hidden, head.weight, head.bias, labels, targets.sequence, targets.pairs,
                                       targets.reference, pair_loss, chunk_tokens, dtype, torch.is_grad_enabled())
@@ -245,7 +245,7 @@ class PairLoss:
         return self.beta * (logps - reference if self.needs_reference else logps / lengths)
 
 
-def scored(pair_loss, logps, reference, lengths, stats, sequence):
+def scored(pair_loss, logps, reference, lengths, *, stats, sequence):
     """A PairLoss summed over the pairs, d(loss)/d(logps) ((pairs, 2)), and the metrics' sums (preference.metric_values
     names them): the chosen and rejected rewards, the pairs ranked right, the answers' log-probabilities; from
     `stats` (answer_stats, per predicted token of `sequence`), per answer the mean logits' and the tokens' sums, the
@@ -254,10 +254,11 @@ def scored(pair_loss, logps, reference, lengths, stats, sequence):
         leaf = logps.detach().requires_grad_()
         loss = pair_loss.per_pair(leaf, reference, lengths).sum()
         d_logps, = torch.autograd.grad(loss, leaf)
-    return loss.detach(), d_logps, metrics(pair_loss, logps.detach(), reference, lengths, stats, sequence)
+    sums = metrics(pair_loss, logps.detach(), reference, lengths, stats=stats, sequence=sequence)
+    return loss.detach(), d_logps, sums
 
 
-def metrics(pair_loss, logps, reference, lengths, stats, sequence):
+def metrics(pair_loss, logps, reference, lengths, *, stats, sequence):
     chosen, rejected = pair_loss.rewards(logps, reference, lengths).unbind(1)
     first = (sequence % 2 == 0).float()  # a pair's chosen answer is its first sequence
     mean_logit, top1, entropy = stats
@@ -286,7 +287,8 @@ def preference_loss(token, targets, pair_loss, stats=None):
         return logps.view(-1, 2)
     lengths = answer_lengths(targets.sequence, targets.pairs)
     loss = pair_loss.per_pair(logps.view(-1, 2), targets.reference, lengths).sum()
-    return loss, metrics(pair_loss, logps.view(-1, 2), targets.reference, lengths, stats, targets.sequence)
+    return loss, metrics(pair_loss, logps.view(-1, 2), targets.reference, lengths, stats=stats,
+                         sequence=targets.sequence)
 
 
 def answer_lengths(sequence, pairs):
@@ -301,7 +303,7 @@ def _logits(h, w, b):
 
 
 @torch.no_grad()
-def token_logps(hidden, weight, bias, targets, chunk, dtype, with_stats=False):
+def token_logps(hidden, weight, bias, targets, *, chunk, dtype, with_stats=False):
     """log p(target) of each position, a chunk at a time (float32); with_stats: and answer_stats of each."""
     with torch.autocast(hidden.device.type, enabled=False):
         h_all, w, b = hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
@@ -324,10 +326,10 @@ class LinearPreference(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, sequence, pairs, reference, pair_loss, chunk, dtype, with_grads):
         need_hidden, need_weight, need_bias = (with_grads and needed for needed in ctx.needs_input_grad[:3])
-        token, stats = token_logps(hidden, weight, bias, targets, chunk, dtype, with_stats=True)
+        token, stats = token_logps(hidden, weight, bias, targets, chunk=chunk, dtype=dtype, with_stats=True)
         logps = torch.zeros(2 * pairs, dtype=torch.float32, device=hidden.device).index_add_(0, sequence, token)
-        loss, d_logps, sums = scored(pair_loss, logps.view(-1, 2), reference, answer_lengths(sequence, pairs), stats,
-                                     sequence)
+        loss, d_logps, sums = scored(pair_loss, logps.view(-1, 2), reference, answer_lengths(sequence, pairs),
+                                     stats=stats, sequence=sequence)
         # d(loss)/d(logits) of a token = -d(loss)/d(its logp) x (softmax - one-hot)
         weights = -d_logps.flatten().index_select(0, sequence)
         grad_hidden = grad_weight = grad_bias = None

@@ -61,7 +61,8 @@ def load_causal_lm(settings, config, device):
     fits = device.type == "cuda" and varlen.fits(varlen.form(kernel), **varlen.model_facts(config, architecture))
     implementation = hardware.attention(hardware.facts(device), settings.precision, is_flash_attn_2_available(),
                                         getattr(architecture, "_supports_flash_attn", False),
-                                        getattr(architecture, "_compatible_flash_implementations", None), fits)
+                                        getattr(architecture, "_compatible_flash_implementations", None),
+                                        torch_varlen=fits)
     if settings.attention != "auto":  # the user's choice, where it can run at all
         implementation = settings.attention
         if implementation == "flash_attention_2" and not is_flash_attn_2_available():

@@ -45,13 +45,14 @@ def gathered_state_dict(engine):
 # ----------------------------------------------------------------------------------------------------
 # Resume, also on another number of ranks
 
-def resume_folder(out, flags, world_size, ds_config, rank, say):
+def resume_folder(out, flags, ds_config, rank, world_size, *, say):
     """The checkpoint to load: the newest one, or, when another number of ranks wrote it, DeepSpeed's universal form
     of it (each parameter's fp32 weights and Adam moments, whole, cut into this run's shards as they load). A
     checkpoint without optimizer shards (ZeRO-0 in fp32 saves the whole optimizer state) loads as it is. `flags`: the
     run's Config."""
-    folder, saved = checkpoints.resume_folder(out, flags.train, flags.model, world_size, flags.sequence_parallel,
-                                              ds_config["zero_optimization"].get("stage", 0))
+    folder, saved = checkpoints.resume_folder(out, flags.train, flags.model, world_size,
+                                              sequence_parallel=flags.sequence_parallel,
+                                              zero_stage=ds_config["zero_optimization"].get("stage", 0))
     if saved["world_size"] == world_size:
         return folder
     if not list(folder.glob("*optim_states.pt")):

@@ -28,7 +28,8 @@ def deepspeed_config(flags, world_size, total_steps, warmup_steps, model_config)
     config = overridden(read_config(path), flags.zero, flags.sequence_parallel)
     check(config, path, flags, world_size, model_config)
     layer_params = shaped(config, path, flags.model, world_size, model_config)
-    fill(config, path, flag_values(config, flags, world_size, total_steps, warmup_steps, model_config, layer_params))
+    fill(config, path, flag_values(config, flags, model_config, world_size=world_size, total_steps=total_steps,
+                                   warmup_steps=warmup_steps, layer_params=layer_params))
     mends.before_engine(config, flags.zero.mends)  # what the engine imports and asks as it is built (--mends)
     return config
 
@@ -59,9 +60,9 @@ def check(config, path, flags, world_size, model_config):
     zero, sp = config["zero_optimization"], flags.sequence_parallel
     if sp > 1:
         text = hardware.text_config(model_config)
-        finetune_sp.check(sp, world_size, text.num_attention_heads,
-                          getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-                          model_config._attn_implementation or "sdpa", type(model_config).__name__)
+        finetune_sp.check(sp, world_size, heads=text.num_attention_heads,
+                          kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+                          implementation=model_config._attn_implementation or "sdpa", model=type(model_config).__name__)
         if zero.get("stage") == 3 and zero.get("reduce_scatter", True) is not True:
             fail(f"{path}: --sequence-parallel needs zero_optimization.reduce_scatter true at stage 3 (without it the "
                  f"engine averages the gradients over another number of ranks bucket by bucket); remove it")
@@ -93,7 +94,7 @@ def shaped(config, path, model, world_size, model_config):
     return layer_params
 
 
-def flag_values(config, flags, world_size, total_steps, warmup_steps, model_config, layer_params):
+def flag_values(config, flags, model_config, *, world_size, total_steps, warmup_steps, layer_params):
     """(key in the JSON, the value the flags give it, the flag an error names) for every key "auto" may stand for."""
     train, precision, sp = flags.train, flags.model.precision, flags.sequence_parallel
     zero = config["zero_optimization"]

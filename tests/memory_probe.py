@@ -35,7 +35,8 @@ def probe(folder, precision, option, world_size, nvme_path=""):
     config = AutoConfig.from_pretrained(folder)
     # before the HfDeepSpeedConfig: with a ZeRO-3 one alive, transformers would partition even the meta model
     params = plan.parameters(config)
-    planned = plan.model_states(params, config.hidden_size, precision, world_size, option, plan.layer_params(config))
+    planned = plan.model_states(params, config.hidden_size, precision, world_size, option,
+                                  layer=plan.layer_params(config))
     stage, offload = OPTIONS[option]
     norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) and offload else None
     settings = flags.Zero(deepspeed=str(zero_config.DEFAULT_CONFIG), zero_stage=stage, offload=offload,

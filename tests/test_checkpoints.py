@@ -60,7 +60,7 @@ def test_a_resume_that_changes_the_global_batch_or_the_stage_is_one_line(tiny, t
         args = load_script("zero-optimization.py").parse_args(
             base_args(tiny, out, **{"--batch-size": 2, **changed}) + ["--resume"])
         with pytest.raises(SystemExit) as refused:
-            zero.resume_folder(out, args, 1, {"zero_optimization": {"stage": stage}}, 0, print)
+            zero.resume_folder(out, args, {"zero_optimization": {"stage": stage}}, rank=0, world_size=1, say=print)
         assert str(refused.value).startswith("error: --resume: ") and message in str(refused.value)
     assert not list((out / "checkpoints").glob("*/universal"))  # refused before any conversion
 
@@ -126,7 +126,7 @@ def test_a_damaged_newest_checkpoint_is_named_with_the_whole_one_before_it(tiny,
             (lambda: (newest / "rng-1.pt").unlink(), "rng-1.pt is missing")]:
         damage()
         with pytest.raises(SystemExit) as refused:
-            zero.resume_folder(out, args, 2, {"zero_optimization": {"stage": 2}}, 0, print)
+            zero.resume_folder(out, args, {"zero_optimization": {"stage": 2}}, rank=0, world_size=2, say=print)
         assert str(refused.value) == (f"error: --resume: {newest} is damaged: {problem}. step-55 is whole: point "
                                       f"{out / 'checkpoints' / 'latest'} at it (echo step-55 > "
                                       f"{out / 'checkpoints' / 'latest'}) and rerun with --resume")
@@ -257,10 +257,10 @@ def test_final_best_is_the_checkpoint_publish_kept(tmp_path):
     model.load_state_dict(weights_at[6])
     stats = SimpleNamespace(step=6, evals=[[2, 0.5], [3, 0.2], [4, 0.3], [6, 0.4]], rank=0, ranks=1, final_step=None)
     said = []
-    checkpoints.load_best(model, tmp_path, stats, "best", 1, said.append)
+    checkpoints.load_best(model, tmp_path, stats, "best", SimpleNamespace(world_size=1, say=said.append))
     assert stats.final_step == 3 and torch.equal(model.weight, weights_at[3]["weight"]), said
     stats.evals[-1][1] = 0.2  # the last step as good: the model in memory, no load
-    checkpoints.load_best(model, tmp_path, stats, "best", 1, said.append)
+    checkpoints.load_best(model, tmp_path, stats, "best", SimpleNamespace(world_size=1, say=said.append))
     assert stats.final_step == 3  # the earliest of equals
 
 

@@ -1,6 +1,7 @@
 """sequence_classification.py: string labels, both shipped DeepSpeed configs on 2 processes, the saved model behind
 pipeline(), one process without DeepSpeed, and bad input."""
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -51,6 +52,9 @@ def one_process(sentiment, tmp_path_factory):
 def test_one_process_without_deepspeed(one_process):
     r, out = one_process
     assert r["accuracy"] >= 0.9 and r["f1_macro"] >= 0.9 and r["world_size"] == 1
+    ran = json.loads((out / "run.json").read_text())["args"]  # what --config replays: this script's flags, resolved
+    assert (ran["label_column"], ran["max_length"], ran["weight_decay"], ran["precision"]) == ("sentiment", 96, 0.5,
+                                                                                              "fp32")
     assert r["labels"] == ["negative", "positive"]
     classify = pipeline("text-classification", model=str(out / "final"))
     answers = classify(["The staff were wonderful and made us feel at home. I cannot wait to come back!",
@@ -148,7 +152,8 @@ def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path, one_
     """`python3 sequence_classification.py --deepspeed ...` on one GPU: no launcher, so no MPI lookup either. ZeRO-2
     on one rank trains as the run without DeepSpeed: the same eval loss, weight decay kept off biases and norms."""
     run = check(launch("forked-python", "sequence_classification.py",
-                       argv(sentiment, tmp_path / "run", "--weight-decay", "0.5", "--deepspeed")))
+                       argv(sentiment, tmp_path / "run", "--weight-decay", "0.5", "--deepspeed",
+                            "ds_config_zero2.json")))
     r = results(tmp_path / "run")
     assert r["world_size"] == 1 and r["accuracy"] >= 0.9, (r, run.stderr[-2000:])
     assert r["eval_loss"] == pytest.approx(one_process[0]["eval_loss"], rel=1e-5)

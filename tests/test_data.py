@@ -1,6 +1,7 @@
 """The data layer: formats found from the columns, loss masks, packing that isolates documents, batches, the
 prepared-once cache, loading. In process, on tiny models."""
 import json
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -42,9 +43,8 @@ def test_best_fit_decreasing_keeps_documents_whole():
 
 @pytest.mark.parametrize("packing", ["isolated", "stream", "none"])
 def test_every_token_in_its_place(tiny, tokenizer, packing, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CACHE", tmp_path)  # prepared here, written 7 pieces at a time
-    monkeypatch.setattr(blocks, "CHUNK", 7)
-    train, _ = data.prepare(data_args(tiny["data"], packing=packing), tokenizer, seed=0)
+    monkeypatch.setattr(blocks, "CHUNK", 7)  # prepared in tmp_path, written 7 pieces at a time
+    train, _ = data.prepare(data_args(tiny["data"], packing=packing, cache_dir=str(tmp_path)), tokenizer, seed=0)
     rows = data.load_splits(tiny["data"], seed=0)[0]  # the same training split
     docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]
     if packing == "stream":  # every token, in order, cut every 32 tokens; a segment per block
@@ -214,23 +214,22 @@ def test_messages_put_the_loss_on_the_assistant(tmp_path, tiny, template):
     ([{"messages": [{"role": "user", "content": "only a question"}]}] * 3, "row 0: no assistant turn"),
     ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": ""}] * 3, "row 1: the completion is empty"),
 ])
-def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message, monkeypatch):
-    monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
+def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message):
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(SystemExit) as e:
-        data.prepare(data_args(path), tokenizer, seed=0)
+        data.prepare(data_args(path, cache_dir=str(tmp_path / "cache")), tokenizer, seed=0)
     text = str(e.value)
     assert text.startswith("error: ") and message in text and "\n" not in text and "fix or drop that row" in text
     # the reason is left for the node's other ranks; the half-written folder is not left at all
-    assert [p.suffix for p in data.CACHE.iterdir()] == [".failed"]
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".failed"]
 
 
-def test_answers_cut_off_by_the_block_are_one_line(tmp_path, tiny, tokenizer, monkeypatch):
+def test_answers_cut_off_by_the_block_are_one_line(tmp_path, tiny, tokenizer):
     """One chat per row, cut at 16 tokens: every answer is beyond the cut, nothing carries loss."""
-    monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
     with pytest.raises(SystemExit, match=r"loss masked everywhere; \d+ documents were cut at the block size: raise "
                                          r"--block-size\)$"):
-        data.prepare(data_args(tiny["chats"], block_size=16, packing="none"), tokenizer, seed=0)
+        data.prepare(data_args(tiny["chats"], block_size=16, packing="none", cache_dir=str(tmp_path / "cache")),
+                     tokenizer, seed=0)
 
 
 def test_formats_from_the_columns_and_the_flags():
@@ -248,7 +247,7 @@ def test_formats_from_the_columns_and_the_flags():
 def test_prepared_once_then_reused(tiny, tokenizer):
     args = data_args(tiny["data"], block_size=48)
     data.prepare(args, tokenizer, seed=0)
-    folder = data.CACHE / data.cache_key(args, tokenizer, 0)
+    folder = Path(args.cache_dir) / data.cache_key(args, tokenizer, 0)
     stamp = (folder / "meta.json").stat().st_mtime_ns
     data.prepare(args, tokenizer, seed=0)  # a rerun maps what is there
     assert (folder / "meta.json").stat().st_mtime_ns == stamp
@@ -312,10 +311,9 @@ def test_loading_errors(tmp_path, tiny):
         data.load_splits("no-such/dataset")
 
 
-def test_an_eval_file_of_its_own(tmp_path, tiny, tokenizer, monkeypatch):
+def test_an_eval_file_of_its_own(tmp_path, tiny, tokenizer):
     """--eval-dataset: another file format than the training file's, the same kind of rows; evaluated whole (the
     training rows all train), or on --max-eval-samples of its rows; a file of another kind of rows is one line."""
-    monkeypatch.setattr(data, "CACHE", tmp_path / "cache")
     texts = [f"review number {i} of a place that served food" for i in range(30)]
     write_jsonl(tmp_path / "held-out.jsonl", [{"text": t} for t in texts])
     train, evals = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl")), tokenizer,

@@ -12,13 +12,14 @@ from finetune import flags
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
 single, zero_script = load_script("single-gpu.py"), load_script("zero-optimization.py")
+classifier = load_script("sequence_classification.py")
 
 
 def actions(script):
     """{flag: (dest, default, choices, nargs, type)} of a script's parser (caught as parse_args builds it)."""
     caught = []
     original = flags.parse
-    flags.parse = lambda p, argv=None: caught.append(p) or original(p, argv)
+    flags.parse = lambda p, argv=None, **kwargs: caught.append(p) or original(p, argv, **kwargs)
     try:
         script.parse_args([])
     finally:
@@ -83,3 +84,25 @@ def test_a_run_replayed_from_its_run_json_trains_the_same(tiny, tmp_path):
     replayed = json.loads((again / "checkpoints" / "step-3" / "run.json").read_text())["args"]
     assert {k: v for k, v in replayed.items() if k not in ("output_dir", "config")} == {
         k: v for k, v in record["args"].items() if k not in ("output_dir", "config")}
+
+
+def test_the_classifier_takes_the_shared_pieces_with_its_own_defaults(tmp_path):
+    """sequence_classification.py on the same contract: its flags are fields of the shared pieces (the same name, the
+    same meaning, written once), its defaults its own; --config replays its run.json (what flat() keeps: its flags
+    alone)."""
+    taken = actions(classifier)
+    fields = {f.name: piece for piece in flags.PIECES.values() for f in dataclasses.fields(piece)}
+    assert {dest for dest, *_ in taken.values()} - {"help", "local_rank"} <= set(fields)
+    shared = actions(single)
+    for flag in set(taken) & set(shared) - {"--dataset", "--text-column", "--model", "--batch-size", "--lr",
+                                             "--weight-decay", "--epochs", "--output-dir"}:
+        assert taken[flag] == shared[flag], flag  # the rest as the causal scripts have it
+    config = classifier.parse_args([])
+    assert (config.data.dataset, config.model.model, config.classifier.label_column, config.zero.deepspeed) == (
+        "imdb", "distilbert-base-uncased", "label", None)
+    assert classifier.parse_args(["--deepspeed"]).zero.deepspeed == zero_script.parse_args([]).zero.deepspeed
+    recorded = tmp_path / "run.json"
+    again = classifier.parse_args(["--lr", "3e-4", "--max-length", "96", "--report-to", "tensorboard"])
+    recorded.write_text(json.dumps({"args": again.flat()}))
+    assert set(again.flat()) == {dest for dest, *_ in taken.values()} - {"help", "local_rank"}
+    assert classifier.parse_args(["--config", str(recorded)]).flat() == {**again.flat(), "config": str(recorded)}

@@ -78,6 +78,18 @@ def test_zero2_on_two_ranks_reduces_in_buckets_within_its_budget(counted):
     assert zero2["calls"] <= 5.3 * single["calls"], (zero2["calls"], single["calls"])
 
 
+def test_a_step_runs_through_a_few_modules_a_reader_can_follow(counted):
+    """A steady step of single-gpu.py runs the code of 4 of the project's modules (the batches, the loss, the loop's
+    helpers, its progress), one of zero-optimization.py 6 (and DeepSpeed's speed mends, and the hang watchdog of
+    several ranks). Before: 8 (blocks, checkpoints, flags, hangs, hardware, loss, progress, training) and 10 (and
+    mends, zero)."""
+    loop = ["blocks.py", "loss.py", "progress.py", "training.py"]
+    assert counted("single-gpu.py")["modules"] == loop
+    for stage in ("ZeRO-2", "ZeRO-3"):
+        assert counted(stage, ranks=2)["modules"] == sorted(loop + ["internals/hangs.py",
+                                                                    "internals/mend_speedups.py"]), stage
+
+
 def test_zero3_gathers_and_reduces_a_layer_at_a_time_on_two_ranks(counted):
     """ZeRO-3 on 2 ranks with its transformer layers as leaves and buckets sized to a layer (zero_config.tuned_values):
     at most 3 collectives a step per layer, where a weight matrix a collective and the small parameters gathered one by

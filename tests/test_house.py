@@ -1,5 +1,7 @@
-"""The house rules a test can hold: every module within 450 lines, no import circle in the package (counting imports
-inside functions too: a circle worked around that way is still one), the pair's diff within its budget."""
+"""The house rules a test can hold: every module within 450 lines (the package and the scripts within 400), no function
+over 60 lines but the scripts' main (120), none with more than 5 positional parameters (a signature a library gives
+aside), no import circle in the package (counting imports inside functions too: a circle worked around that way is
+still one), the pair's diff within its budget."""
 import ast
 import difflib
 
@@ -9,6 +11,11 @@ from helpers import ROOT
 
 pytestmark = pytest.mark.quick
 LIMIT, DIFF_BUDGET = 450, 90
+PRODUCT_LIMIT, FUNCTION_LIMIT, MAIN_LIMIT, POSITIONAL = 400, 60, 120, 5
+# signatures a library gives: autograd Functions' forward, DeepSpeed's allreduce_and_copy (a mend keeps it), torch's
+# _load_from_state_dict (quantization's keeping)
+LIBRARY_SIGNATURES = {("loss.py", "forward"), ("mend_speedups.py", "allreduce_and_copy"),
+                      ("quantization.py", "keeping")}
 
 
 def python_files():
@@ -16,9 +23,36 @@ def python_files():
             or p.parent.name == "bench"]
 
 
+def product_files():
+    """The package, the scripts at the root and the job's: what a forker reads."""
+    return sorted([*(ROOT / "finetune").rglob("*.py"), *ROOT.glob("*.py"), *(ROOT / "job").glob("*.py")])
+
+
 def test_every_module_is_within_its_size():
     long = {str(p.relative_to(ROOT)): n for p in python_files() if (n := len(p.read_text().splitlines())) > LIMIT}
     assert not long, long
+    long = {str(p.relative_to(ROOT)): n for p in product_files()
+            if (n := len(p.read_text().splitlines())) > PRODUCT_LIMIT}
+    assert not long, long
+
+
+def test_functions_are_short_and_hand_their_values_over_by_name():
+    """No function over 60 lines (a script's main: 120), none with more than 5 positional parameters: what follows
+    the first few is keyword-only, or goes whole (a piece of the config, the process, a batch)."""
+    long, positional = {}, {}
+    for path in product_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+            limit = MAIN_LIMIT if node.name == "main" and path.parent == ROOT else FUNCTION_LIMIT
+            if node.end_lineno - node.lineno + 1 > limit:
+                long[where] = node.end_lineno - node.lineno + 1
+            names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls", "ctx")]
+            if len(names) > POSITIONAL and (path.name, node.name) not in LIBRARY_SIGNATURES:
+                positional[where] = len(names)
+    assert not long, long
+    assert not positional, positional
 
 
 def package_imports():

@@ -91,8 +91,8 @@ def test_sequence_parallelism_divides_the_activations_and_lengthens_the_longest_
     """Each of N GPUs holds the activations of 1/N of the tokens: at block 8192 over 4 GPUs, those of block 2048 on
     one; the longest block that fits grows as the activations' share of the memory shrinks."""
     config = plan.load_config("facebook/opt-1.3b")
-    one = plan.activations(1, 2048, config, "bf16", False, 1024)
-    assert plan.activations(1, 8192, config, "bf16", False, 1024, sequence_parallel=4) == one
+    one = plan.activations(1, 2048, config, "bf16", checkpointing=False, loss_chunk=1024)
+    assert plan.activations(1, 8192, config, "bf16", checkpointing=False, loss_chunk=1024, sequence_parallel=4) == one
     assert one == 2048 * memory.layer_bytes(config, "bf16")[0] * 24 + 1024 * 50272 * 6  # 24 layers, one chunk of logits
     longest = {n: {r["option"]: r["longest_block"] for r in plan.plan(plan_args(
         "facebook/opt-1.3b", 8, 80, ("sequence_parallel", n), ("batch_size", 1)))[2]} for n in (1, 8)}

@@ -5,6 +5,7 @@ import json
 import re
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,10 +188,11 @@ def test_a_file_with_no_usable_pair_is_one_line_and_nothing_is_prepared(pairs, t
     """A bad pair is skipped and counted (next test); a file where no pair can be trained on is one line."""
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 8))
-    before = set(data.CACHE.iterdir()) if data.CACHE.exists() else set()
+    cache = Path(data_args(path).cache_dir)
+    before = set(cache.iterdir()) if cache.exists() else set()
     with pytest.raises(SystemExit, match=re.escape(message)):
         data.prepare(data_args(path, **flags), pairs["tokenizer"], seed=0)
-    assert {p for p in data.CACHE.iterdir() if not p.name.endswith(".failed")} <= before
+    assert {p for p in cache.iterdir() if not p.name.endswith(".failed")} <= before
 
 
 @pytest.mark.quick
@@ -365,7 +367,7 @@ def test_resume_reads_the_kept_reference_and_continues_exactly(pairs, one_proces
     made_of = json.loads(torch.load(out / "reference.pt")["made_of"])
     key = made_of["pairs"][0].split("/")[0]  # the prepared data's key: its cache folder
     assert made_of == {"pairs": [f"{key}/train", f"{key}/eval"], "model": "model", "lora_rank": 0, "base": "",
-                       "precision": "fp32"} and (data.CACHE / key).is_dir()
+                       "precision": "fp32"} and (Path(data_args(pairs["strings"]).cache_dir) / key).is_dir()
     (out / "reference.pt").unlink()
     with pytest.raises(SystemExit, match="reference.pt is missing"):
         single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--resume": None}) + ["--resume"])

@@ -122,7 +122,7 @@ def test_the_documents_mask_is_built_once_per_forward_from_the_hosts_documents()
 @pytest.mark.quick
 def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, message):
     with pytest.raises(SystemExit) as e:
-        sp.check(size, world, heads, kv, attention, "Gemma2Config")
+        sp.check(size, world, heads=heads, kv_heads=kv, implementation=attention, model="Gemma2Config")
     assert str(e.value).startswith("error: ") and message in str(e.value)
 
 
@@ -130,10 +130,12 @@ def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, mes
 def test_a_model_whose_layers_mix_tokens_outside_attention_is_one_line():
     """Recurrent or convolution layers (Qwen3-Next's linear attention, LFM2's convolutions), or Llama 4's chunks,
     would see each rank's slice alone: refused. Sliding and MoE layers are attention's or mix nothing."""
-    sp.check(2, 2, 4, 2, "sdpa", "Gemma3TextConfig", ["sliding_attention", "full_attention", "moe"])
+    sp.check(2, 2, heads=4, kv_heads=2, implementation="sdpa", model="Gemma3TextConfig",
+             layer_types=["sliding_attention", "full_attention", "moe"])
     with pytest.raises(SystemExit, match="Qwen3NextConfig has conv, linear_attention layers, which mix tokens "
                                          "outside attention"):
-        sp.check(2, 2, 4, 2, "sdpa", "Qwen3NextConfig", ["linear_attention", "full_attention", "conv"])
+        sp.check(2, 2, heads=4, kv_heads=2, implementation="sdpa", model="Qwen3NextConfig",
+                 layer_types=["linear_attention", "full_attention", "conv"])
 
 
 @pytest.mark.quick

@@ -19,7 +19,7 @@ def window_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
     """torch 2.12 on: causal is window_size (-1, 0)."""
     assert window_size[1] == 0 and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
     assert query.dtype == key.dtype == value.dtype  # FlashAttention takes one dtype
-    return varlen.documents_apart(query, key, value, cu_seq_q, scale, window_size[0], enable_gqa)
+    return varlen.documents_apart(query, key, value, cu_seq_q, scale=scale, left=window_size[0], gqa=enable_gqa)
 
 
 def causal_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
@@ -42,7 +42,7 @@ def test_torch_varlen_is_chosen_from_the_gpu_torchs_form_and_the_models_facts():
     facts = lambda cfg: varlen.model_facts(cfg, AutoModelForCausalLM._model_mapping[type(cfg)])
     llama, mistral, gemma2, gpt_oss = (config(f) for f in ("llama", "mistral", "gemma2", "gpt_oss"))
     choose = lambda gpu, kernel_form, cfg, precision="bf16", flash=False: hardware.attention(
-        gpu, precision, flash, True, None, varlen.fits(kernel_form, **facts(cfg)))
+        gpu, precision, flash, True, None, torch_varlen=varlen.fits(kernel_form, **facts(cfg)))
     for kernel_form in ("window", "is_causal"):
         assert choose(H100, kernel_form, llama) == choose(A100, kernel_form, llama) == "torch_varlen"  # GQA too
         assert choose(H100, kernel_form, llama, flash=True) == "flash_attention_2"
@@ -119,7 +119,7 @@ def test_a_run_through_torch_varlen_trains_as_the_masked_one(tiny, tmp_path, mon
     argv = lambda out: base_args(tiny, tmp_path / out, **{"--dataset": tiny["chats"], "--block-size": 64,
                                                           "--batch-size": 4, "--prompt": "Hi"})
     single.main(argv("sdpa"))
-    monkeypatch.setattr(hardware, "attention", lambda *facts: varlen.NAME)
+    monkeypatch.setattr(hardware, "attention", lambda *facts, **more: varlen.NAME)
     calls = []
     counted = functools.wraps(window_form)(lambda *a, **k: calls.append(1) or window_form(*a, **k))
     monkeypatch.setattr(varlen, "torch_kernel", lambda: counted)

@@ -145,7 +145,7 @@ def make_demo_tokenizer(texts, vocab_size=1000):
                                    pad_token="<pad>", unk_token="<unk>")
 
 
-def make_demo_lm(path, tokenizer, hidden=128, layers=2, heads=4, positions=256, seed=0):
+def make_demo_lm(path, tokenizer, *, hidden=128, layers=2, heads=4, positions=256, seed=0):
     """A tiny OPT-architecture model with random weights, saved like a pretrained one."""
     from transformers import AutoModelForCausalLM, OPTConfig
 
@@ -193,7 +193,7 @@ def make_demo_wordpiece_tokenizer(texts, vocab_size=1000):
                                    model_input_names=["input_ids", "attention_mask"])  # DistilBERT: no token types
 
 
-def make_demo_encoder(path, tokenizer, dim=64, layers=2, heads=2, positions=256, seed=0):
+def make_demo_encoder(path, tokenizer, *, dim=64, layers=2, heads=2, positions=256, seed=0):
     """A tiny DistilBERT-architecture encoder with random weights and no task head, saved like a pretrained one."""
     from transformers import AutoModel, DistilBertConfig
 

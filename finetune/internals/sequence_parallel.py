@@ -43,7 +43,8 @@ def setup(size, model, world_size, batch_rows):
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     implementation = config._attn_implementation or "sdpa"
-    check(size, world_size, heads, kv_heads, implementation, type(config).__name__, getattr(text, "layer_types", None))
+    check(size, world_size, heads=heads, kv_heads=kv_heads, implementation=implementation, model=type(config).__name__,
+          layer_types=getattr(text, "layer_types", None))
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -115,7 +116,7 @@ class Groups:
 ATTENTION_ONLY = {"full_attention", "sliding_attention", "moe", "dense", "sparse"}
 
 
-def check(size, world_size, heads, kv_heads, implementation, model, layer_types=None):
+def check(size, world_size, *, heads, kv_heads, implementation, model, layer_types=None):
     """What sequence parallelism cannot split: one line each."""
     if size < 1:
         fail(f"--sequence-parallel must be 1 or more, got {size}")

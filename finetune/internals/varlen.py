@@ -33,7 +33,7 @@ def torch_kernel():
     return varlen_attn
 
 
-def fits(kernel_form, head_dim, window, softcap, dropout, interface, sinks, uneven_heads):
+def fits(kernel_form, *, head_dim, window, softcap, dropout, interface, sinks, uneven_heads):
     """Whether a model's attention can run on torch's varlen kernel of this form: it calls transformers' attention
     interface (`_supports_attention_backend`), has no attention sinks nor logit softcapping nor attention dropout
     (the kernel has none), one head size for queries, keys and values (not MLA's), heads of at most 256 and a
@@ -76,8 +76,8 @@ def attention(kernel):
 
     kernel_form = form(kernel)
 
-    def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                         **kwargs):
+    def varlen_attention(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, sliding_window=None,
+                         **kwargs):  # (transformers' attention interface: it passes the rest by name)
         if kwargs.get("cu_seq_lens_q") is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
@@ -114,7 +114,7 @@ def register(kernel=None, name=NAME):
     return name
 
 
-def documents_apart(q, k, v, cu, scale=None, left=-1, gqa=False):
+def documents_apart(q, k, v, cu, *, scale=None, left=-1, gqa=False):
     """The reference the kernels are held to (tests/test_varlen.py, bench/attention.py): SDPA on each document
     [cu[i], cu[i+1]) of (tokens, heads, head size) apart, causal, within `left` tokens back where left >= 0."""
     outs = []
