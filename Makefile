@@ -47,9 +47,10 @@ test: lint
 test-quick: lint
 	$(PY) -m pytest -q -m quick tests
 
-# ruff's checks (pyproject.toml), a second and no test's time
+# ruff's checks and its format of tests/, bench/ and basics/ (pyproject.toml), a second and no test's time
 lint: $(VENV)/tests-installed
 	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/ruff format --check --quiet tests bench basics
 
 clean:
 	rm -rf $(VENV) out .demo

@@ -23,8 +23,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
 
 from finetune import models, quantization
-from finetune.internals import memory
 from finetune.hardware import experts_per_token
+from finetune.internals import memory
 from finetune.zero_config import swap_buffer_elements, tuned_values, zero3_layers
 
 GiB = 2**30
@@ -269,9 +269,9 @@ def plan(args):
     for option in OPTIONS:
         # ZeRO-0 in bf16 autocasts over fp32 weights (zero_config.autocast_at_stage0), but for a 16-bit frozen base
         autocast = option == "ZeRO-0" and args.precision == "bf16" and not args.lora_rank and not bits
-        acts_at = lambda block: activations(args.batch_size, block, config, args.precision,  # noqa: E731
-                                            checkpointing=args.gradient_checkpointing, loss_chunk=args.loss_chunk,
-                                            sequence_parallel=args.sequence_parallel, autocast=autocast)
+        acts_at = lambda block, autocast=autocast: activations(  # noqa: E731 (this option's autocast)
+            args.batch_size, block, config, args.precision, checkpointing=args.gradient_checkpointing,
+            loss_chunk=args.loss_chunk, sequence_parallel=args.sequence_parallel, autocast=autocast)
         acts = acts_at(args.block_size)
         states = {k: v + (constants if k != "cpu" else 0)
                   for k, v in model_states(held, hidden, args.precision, ranks, option, layer=layer).items()}
@@ -286,8 +286,9 @@ def plan(args):
         # QLoRA: transformers loads the whole quantized model onto each rank's GPU (its device_map {"": this GPU},
         # quantizers/quantizer_bnb_4bit.py), skipping zero.Init: ZeRO-3 partitions it only in deepspeed.initialize
         loaded = b * total + constants if bits else 0
-        peak_at = lambda block: max(states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"],
-                                    loaded)
+        # (this option's figures, bound)
+        peak_at = lambda block, states=states, transient=transient, loaded=loaded, acts_at=acts_at: max(
+            states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"], loaded)
         peak = peak_at(args.block_size)
         budget = args.gpu_memory * GiB * HEADROOM
         # each process loads the model on CPU: fp32, a LoRA base in the run's precision (models.load_causal_lm)

@@ -1,10 +1,10 @@
 """Lesson 2: collectives, each checked against what it must give. Rank r contributes the value r (or r+1).
 
-    torchrun --nproc_per_node=4 basics/collectives.py
+torchrun --nproc_per_node=4 basics/collectives.py
 """
+
 import torch
 import torch.distributed as dist
-
 import world
 
 rank, world_size, device = world.init()
@@ -29,8 +29,10 @@ world.check(f"all_reduce(max) gives {N - 1} -> {t.item():.0f}", t.item() == N - 
 
 gathered = [torch.zeros(1, device=device) for _ in range(N)]
 dist.all_gather(gathered, mine())
-world.check(f"all_gather gives {list(range(N))} -> {[int(g.item()) for g in gathered]}",
-            [g.item() for g in gathered] == list(range(N)))
+world.check(
+    f"all_gather gives {list(range(N))} -> {[int(g.item()) for g in gathered]}",
+    [g.item() for g in gathered] == list(range(N)),
+)
 
 gathered = [torch.zeros(1, device=device) for _ in range(N)] if rank == 0 else None
 dist.gather(mine(), gathered, dst=0)

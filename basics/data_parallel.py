@@ -7,13 +7,13 @@ After a few Adam steps the weights equal those of DistributedDataParallel and of
 (A classic bug: looping over parameters with `type(p) is torch.Tensor` skips them all, since parameters are
 nn.Parameter, and then no gradient is ever averaged. Iterate over model.parameters() itself.)
 """
+
 import copy
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-
 import world
+from torch.nn.parallel import DistributedDataParallel
 
 STEPS, LR = 5, 0.01
 rank, world_size, device = world.init()
@@ -35,7 +35,7 @@ for step in range(STEPS):
 
 ddp = DistributedDataParallel(copy.deepcopy(model))  # the same, with bucketed all-reduces overlapping backward
 optimizer = torch.optim.Adam(ddp.parameters(), lr=LR)
-for step in range(STEPS):
+for _ in range(STEPS):
     torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
     optimizer.step()
     optimizer.zero_grad()

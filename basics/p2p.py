@@ -6,9 +6,9 @@ send/recv block until the other side has the message. isend/irecv return at once
 later, so a rank can post its receive and its send together and do other work meanwhile. A ring written with
 blocking calls must order them (rank 0 sends first, everyone else receives first) or every rank waits forever.
 """
+
 import torch
 import torch.distributed as dist
-
 import world
 
 rank, world_size, device = world.init()
@@ -23,8 +23,9 @@ if rank == 0:
     world.log(f"blocking ring: token came back as {token.item():.0f}")
 else:
     dist.recv(token, src=left)
-    world.log(f"blocking ring: got {token.item():.0f} from rank {left}, "
-              f"passing {token.item() + rank:.0f} to rank {right}")
+    world.log(
+        f"blocking ring: got {token.item():.0f} from rank {left}, passing {token.item() + rank:.0f} to rank {right}"
+    )
     token += rank
     dist.send(token, dst=right)
 if rank == 0:
@@ -33,7 +34,7 @@ if rank == 0:
 # Non-blocking: every rank sends its own value right and receives from the left at the same time, N-1 times,
 # accumulating what passes by. No ordering is needed because nobody blocks before both requests are posted.
 outgoing, total = torch.full((1,), float(rank), device=device), torch.full((1,), float(rank), device=device)
-for hop in range(world_size - 1):
+for _ in range(world_size - 1):
     incoming = torch.empty(1, device=device)
     requests = [dist.isend(outgoing, dst=right), dist.irecv(incoming, src=left)]
     for request in requests:

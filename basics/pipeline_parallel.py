@@ -7,12 +7,12 @@ GPipe: all micro-batches go forward (activations sent to the next stage), then a
 to the previous stage); gradients accumulate over micro-batches and the step sees the whole batch's gradient.
 The idle time at the start and end (the "bubble") shrinks as the number of micro-batches grows.
 """
+
 import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 import world
 
 MICRO_BATCHES = 4
@@ -58,7 +58,8 @@ reference_loss.backward()
 if last:
     world.log(f"pipeline loss {loss.item():.6f}, unsplit model {reference_loss.item():.6f}")
     world.check("pipeline loss equals the unsplit model's", torch.allclose(loss, reference_loss, atol=1e-6))
-world.check(f"stage {rank} gradients equal the unsplit model's layer {rank}",
-            all(torch.allclose(p.grad, q.grad, atol=1e-6)
-                for p, q in zip(stage.parameters(), model[rank].parameters())))
+world.check(
+    f"stage {rank} gradients equal the unsplit model's layer {rank}",
+    all(torch.allclose(p.grad, q.grad, atol=1e-6) for p, q in zip(stage.parameters(), model[rank].parameters())),
+)
 world.finish()

@@ -7,11 +7,11 @@ neighbour and adds the chunk arriving from its left; afterwards rank r holds the
 Phase 2, all-gather: in N-1 more steps the finished chunks travel around the ring. Each rank sends 2(N-1)/N of
 the tensor in all, whatever N: that is why NCCL uses rings (and trees) for large tensors.
 """
+
 import time
 
 import torch
 import torch.distributed as dist
-
 import world
 
 rank, world_size, device = world.init()
@@ -23,14 +23,14 @@ def ring_all_reduce(tensor):
     incoming = torch.empty_like(chunks[0])
     for step in range(world_size - 1):  # reduce-scatter
         send, recv = (rank - step) % world_size, (rank - step - 1) % world_size
-        requests = [dist.isend(chunks[send].contiguous(), right), dist.irecv(incoming[:len(chunks[recv])], left)]
+        requests = [dist.isend(chunks[send].contiguous(), right), dist.irecv(incoming[: len(chunks[recv])], left)]
         [r.wait() for r in requests]
-        chunks[recv] += incoming[:len(chunks[recv])]
+        chunks[recv] += incoming[: len(chunks[recv])]
     for step in range(world_size - 1):  # all-gather: pass the finished chunks on
         send, recv = (rank + 1 - step) % world_size, (rank - step) % world_size
-        requests = [dist.isend(chunks[send].contiguous(), right), dist.irecv(incoming[:len(chunks[recv])], left)]
+        requests = [dist.isend(chunks[send].contiguous(), right), dist.irecv(incoming[: len(chunks[recv])], left)]
         [r.wait() for r in requests]
-        chunks[recv].copy_(incoming[:len(chunks[recv])])
+        chunks[recv].copy_(incoming[: len(chunks[recv])])
     return tensor
 
 

@@ -7,10 +7,10 @@ Row-parallel: split the input features; each rank multiplies its slice of the in
 the partial products. Megatron-LM's MLP puts a column-parallel layer before a row-parallel one: the activation
 between them is already split the right way, so the whole MLP needs one all_reduce in the forward pass.
 """
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 import world
 
 rank, world_size, device = world.init()
@@ -29,8 +29,10 @@ part = F.linear(x, w1_mine, b1_mine)
 world.log(f"column-parallel: w1 slice {tuple(w1_mine.shape)} of {tuple(w1.shape)} -> output slice {tuple(part.shape)}")
 parts = [torch.empty_like(part) for _ in range(world_size)]
 dist.all_gather(parts, part)
-world.check("column-parallel outputs, gathered, equal the full layer",
-            torch.allclose(torch.cat(parts, dim=1), F.linear(x, w1, b1), atol=1e-5))
+world.check(
+    "column-parallel outputs, gathered, equal the full layer",
+    torch.allclose(torch.cat(parts, dim=1), F.linear(x, w1, b1), atol=1e-5),
+)
 
 # row-parallel: this rank's columns of w2 (its input features) and the matching slice of the input
 h = torch.randn(4, d_ff, device=device)
@@ -38,8 +40,10 @@ w2_mine = w2.chunk(world_size, dim=1)[rank]
 partial = F.linear(h.chunk(world_size, dim=1)[rank], w2_mine)
 world.log(f"row-parallel: w2 slice {tuple(w2_mine.shape)} of {tuple(w2.shape)} -> a partial sum {tuple(partial.shape)}")
 dist.all_reduce(partial)
-world.check("row-parallel partial sums, all-reduced, equal the full layer",
-            torch.allclose(partial + b2, F.linear(h, w2, b2), atol=1e-4))
+world.check(
+    "row-parallel partial sums, all-reduced, equal the full layer",
+    torch.allclose(partial + b2, F.linear(h, w2, b2), atol=1e-4),
+)
 
 # Megatron MLP: column-parallel, GeLU on the local slice (elementwise: no communication), row-parallel, one all_reduce
 out = F.linear(F.gelu(F.linear(x, w1_mine, b1_mine)), w2_mine)

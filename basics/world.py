@@ -3,6 +3,7 @@
 torchrun starts N copies of a lesson and gives each RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT;
 init_process_group reads them (the "env://" rendezvous). GPUs talk over NCCL, CPUs over gloo.
 """
+
 import datetime
 import os
 import sys

@@ -7,15 +7,15 @@ Each stage ends with the weights of one process on the whole batch (as lesson 4 
 rank holds next to the ZeRO paper's arithmetic. Training here is fp32, where Adam keeps 8 bytes of state per
 parameter and no separate master copy: plain data parallelism holds 4+4+8 = 16 bytes per parameter (Psi).
 """
+
 import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import world
 from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 from torch.utils.checkpoint import checkpoint
-
-import world
 
 STEPS, LR = 5, 0.01
 rank, N, device = world.init()
@@ -24,7 +24,7 @@ reference = world.train_one_process(copy.deepcopy(model), x, y, STEPS, LR)
 mine = slice(rank * len(x) // N, (rank + 1) * len(x) // N)
 shapes = [p.shape for p in model.parameters()]  # w1, b1, w2, b2
 padded = lambda t: F.pad(t.detach().flatten(), (0, -t.numel() % N))  # flat, length a multiple of N
-unpad = lambda flat, shape: flat[:shape.numel()].view(shape)
+unpad = lambda flat, shape: flat[: shape.numel()].view(shape)
 nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)
 psi = sum(len(padded(p)) for p in model.parameters())
 
@@ -46,7 +46,7 @@ for stage in (1, 2, 3):
     if stage == 3:
         flats = []  # stage 3 keeps no full parameter between steps
     optimizer = torch.optim.Adam(shards, lr=LR)
-    for step in range(STEPS):
+    for _ in range(STEPS):
         if stage < 3:
             params = [unpad(f, s).requires_grad_() for f, s in zip(flats, shapes)]  # views of the full parameters
             F.mse_loss(mlp(params, x[mine]), y[mine]).backward()
@@ -71,18 +71,25 @@ for stage in (1, 2, 3):
         for flat, shard in zip(flats, shards):  # stages 1-2: everyone gets everyone's updated slice
             dist.all_gather_into_tensor(flat, shard.detach().clone())
 
-    held = {"parameters": nbytes(flats or shards), "gradients": nbytes(grads),
-            "optimizer": nbytes(t for s in optimizer.state.values() for t in (s["exp_avg"], s["exp_avg_sq"]))}
+    held = {
+        "parameters": nbytes(flats or shards),
+        "gradients": nbytes(grads),
+        "optimizer": nbytes(t for s in optimizer.state.values() for t in (s["exp_avg"], s["exp_avg_sq"])),
+    }
     fp32 = {1: 8 * psi + 8 * psi / N, 2: 4 * psi + 12 * psi / N, 3: 16 * psi / N}[stage]
     paper = {1: "4Psi + 12Psi/N", 2: "2Psi + 14Psi/N", 3: "16Psi/N"}[stage]
-    world.log(f"ZeRO-{stage}: holds {held} = {sum(held.values())} bytes; fp32 arithmetic "
-              f"{['', '8Psi + 8Psi/N', '4Psi + 12Psi/N', '16Psi/N'][stage]} = {fp32:.0f} (Psi = {psi}; "
-              f"plain data parallel 16Psi = {16 * psi}; the paper's mixed precision: {paper})")
+    world.log(
+        f"ZeRO-{stage}: holds {held} = {sum(held.values())} bytes; fp32 arithmetic "
+        f"{['', '8Psi + 8Psi/N', '4Psi + 12Psi/N', '16Psi/N'][stage]} = {fp32:.0f} (Psi = {psi}; "
+        f"plain data parallel 16Psi = {16 * psi}; the paper's mixed precision: {paper})"
+    )
     world.check(f"ZeRO-{stage} bytes held match the arithmetic", sum(held.values()) == fp32)
     if stage == 3:
         final = [unpad(torch.cat(differentiable_all_gather(s.detach())), shape) for s, shape in zip(shards, shapes)]
     else:
         final = [unpad(f, shape) for f, shape in zip(flats, shapes)]
-    world.check(f"ZeRO-{stage} weights equal one process on the whole batch",
-                all(torch.allclose(p, q, atol=1e-6) for p, q in zip(final, reference)))
+    world.check(
+        f"ZeRO-{stage} weights equal one process on the whole batch",
+        all(torch.allclose(p, q, atol=1e-6) for p, q in zip(final, reference)),
+    )
 world.finish()

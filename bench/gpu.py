@@ -19,6 +19,7 @@ device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: progress.Prof
 the last loss. Random weights (they time as trained ones), generated reviews and chats; a chats row's ratio is to
 single-gpu.py's on chats.
 """
+
 import argparse
 import json
 import os
@@ -46,20 +47,28 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
     "single-gpu.py, chats": ("single-gpu.py", [], "ZeRO-0", "questions", 1),
     "single-gpu.py, chats, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "questions", 2),
     "single-gpu.py, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "reviews", 2),
-    "ZeRO-3 + CPU offload": ("zero-optimization.py", ["--zero-stage=3", "--offload=cpu",
-                                                      "--deepspeed=ds_config_zero3.json"], "ZeRO-3 + CPU offload",
-                             "reviews", 1),
+    "ZeRO-3 + CPU offload": (
+        "zero-optimization.py",
+        ["--zero-stage=3", "--offload=cpu", "--deepspeed=ds_config_zero3.json"],
+        "ZeRO-3 + CPU offload",
+        "reviews",
+        1,
+    ),
 }
 # (shape, run) in the order the goals need them, should the budget run out: the engine against single-gpu.py and the
 # Trainer, the 1B shape's MFU, compile on chats and reviews, then the rest at the 1B shape
-ORDER = [*(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
-         ("llama-3.2-1b", "single-gpu.py"), ("llama-3.2-1b", "single-gpu.py, blocks 4x as long"),
-         ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
-         ("opt-125m", "single-gpu.py, SDPA with the mask"), ("opt-125m", "single-gpu.py, stream packing"),
-         *(("opt-125m", r) for r in ("single-gpu.py, chats", "single-gpu.py, chats, --compile",
-                                     "single-gpu.py, --compile")),
-         *(("llama-3.2-1b", r) for r in ("ZeRO-2", "HF Trainer, run_clm, ZeRO-2", "ZeRO-3", "ZeRO-0")),
-         ("opt-125m", "ZeRO-3 + CPU offload"), ("llama-3.2-1b", "ZeRO-3 + CPU offload")]
+ORDER = [
+    *(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
+    ("llama-3.2-1b", "single-gpu.py"),
+    ("llama-3.2-1b", "single-gpu.py, blocks 4x as long"),
+    ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
+    ("opt-125m", "single-gpu.py, SDPA with the mask"),
+    ("opt-125m", "single-gpu.py, stream packing"),
+    *(("opt-125m", r) for r in ("single-gpu.py, chats", "single-gpu.py, chats, --compile", "single-gpu.py, --compile")),
+    *(("llama-3.2-1b", r) for r in ("ZeRO-2", "HF Trainer, run_clm, ZeRO-2", "ZeRO-3", "ZeRO-0")),
+    ("opt-125m", "ZeRO-3 + CPU offload"),
+    ("llama-3.2-1b", "ZeRO-3 + CPU offload"),
+]
 # shape -> (sequences a step, block, steps, log interval, seconds each part may take); the profiler counts steps 5-8,
 # inside the first log interval, which the steady figures leave out
 SHAPES = {"opt-125m": (16, 512, 40, 10, 50), "llama-3.2-1b": (16, 512, 20, 10, 75)}
@@ -83,14 +92,32 @@ def sizes(shape, name, dry):
 def command(shape, name, script, extra, folder, model, dataset, dry):
     (batch, block), (steps, log_every) = sizes(shape, name, dry), (DRY if dry else SHAPES)[shape][2:4]
     if script == "bench/peers.py":
-        flags = [f"--model={model}", f"--dataset={dataset}", f"--block-size={block}", f"--batch-size={batch}",
-                 f"--steps={steps}", f"--warmup-steps={log_every}", f"--precision={'fp32' if dry else 'bf16'}",
-                 f"--output-dir={folder}"]
+        flags = [
+            f"--model={model}",
+            f"--dataset={dataset}",
+            f"--block-size={block}",
+            f"--batch-size={batch}",
+            f"--steps={steps}",
+            f"--warmup-steps={log_every}",
+            f"--precision={'fp32' if dry else 'bf16'}",
+            f"--output-dir={folder}",
+        ]
     else:
-        flags = [f"--model={model}", f"--dataset={dataset}", f"--block-size={block}", f"--batch-size={batch}",
-                 f"--max-steps={steps}", f"--log-every={log_every}", f"--precision={'fp32' if dry else 'bf16'}",
-                 "--save-every=0", "--eval-every=0", "--max-eval-samples=16", "--prompt=", f"--output-dir={folder}",
-                 "--overwrite"]
+        flags = [
+            f"--model={model}",
+            f"--dataset={dataset}",
+            f"--block-size={block}",
+            f"--batch-size={batch}",
+            f"--max-steps={steps}",
+            f"--log-every={log_every}",
+            f"--precision={'fp32' if dry else 'bf16'}",
+            "--save-every=0",
+            "--eval-every=0",
+            "--max-eval-samples=16",
+            "--prompt=",
+            f"--output-dir={folder}",
+            "--overwrite",
+        ]
     return [sys.executable, script, *flags, *extra]
 
 
@@ -103,8 +130,7 @@ def run_part(cmd, folder, deadline):
         env["TORCH_LOGS"] = "recompiles,graph_breaks"
     start = time.monotonic()
     with open(folder / "output.log", "w") as log:
-        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = process.wait(timeout=deadline)
         except subprocess.TimeoutExpired:
@@ -134,13 +160,27 @@ def profiled(folder):
 def planned_peak(model, option, shape, name, dry):
     """plan.py's peak per GPU for this run (bytes), or None for the Trainer's."""
     import plan
+
     if option is None:
         return None
     batch, block = sizes(shape, name, dry)
-    args = argparse.Namespace(model=str(model), gpus=1, nodes=1, gpu_memory=80, cpu_memory=None,
-                              precision="fp32" if dry else "bf16", batch_size=batch, block_size=block,
-                              gradient_checkpointing=False, sequence_parallel=1, loss_chunk=1024, lora_rank=0,
-                              lora_targets="all-linear", load_in_4bit=False, load_in_8bit=False)
+    args = argparse.Namespace(
+        model=str(model),
+        gpus=1,
+        nodes=1,
+        gpu_memory=80,
+        cpu_memory=None,
+        precision="fp32" if dry else "bf16",
+        batch_size=batch,
+        block_size=block,
+        gradient_checkpointing=False,
+        sequence_parallel=1,
+        loss_chunk=1024,
+        lora_rank=0,
+        lora_targets="all-linear",
+        load_in_4bit=False,
+        load_in_8bit=False,
+    )
     rows = plan.plan(args)[2]
     return next(r["peak_bytes_per_gpu"] for r in rows if r["option"] == option)
 
@@ -155,8 +195,9 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "out" / "gpu"))
     args = p.parse_args(argv)
     import torch
-    from finetune.internals import demo
     from run import model_folder
+
+    from finetune.internals import demo
 
     if not args.dry and not torch.cuda.is_available():
         sys.exit("error: no CUDA GPU here; bench/gpu.sh --dry runs the same parts on the CPU")
@@ -164,10 +205,16 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if not args.dry else f"CPU ({os.cpu_count()} cores), dry run"
     rows = []
     if not args.runs or "attention" in args.runs:  # attention alone first, its own table (bench/attention.py)
-        code, _ = run_part([sys.executable, "bench/attention.py", f"--out={out}", *(["--dry"] if args.dry else [])],
-                           out / "runs" / "attention", ATTENTION_S)
-        print(f"attention alone: {out / 'ATTENTION.md'}" if code == 0 else
-              f"attention alone: {'over its deadline' if code is None else 'failed'}, see {out}/runs/attention")
+        code, _ = run_part(
+            [sys.executable, "bench/attention.py", f"--out={out}", *(["--dry"] if args.dry else [])],
+            out / "runs" / "attention",
+            ATTENTION_S,
+        )
+        print(
+            f"attention alone: {out / 'ATTENTION.md'}"
+            if code == 0
+            else f"attention alone: {'over its deadline' if code is None else 'failed'}, see {out}/runs/attention"
+        )
     for shape, name in parts(args.shapes or (DRY if args.dry else SHAPES)):
         if args.runs and name not in args.runs:
             continue
@@ -180,15 +227,22 @@ def main(argv=None):
             continue
         model = model_folder(shape, out)
         folder = out / "runs" / f"{shape}-{''.join(c if c.isalnum() else '_' for c in name)}"
-        code, seconds = run_part(command(shape, name, script, extra, folder, model, demo.assets()[data], args.dry),
-                                 folder, deadline)
+        code, seconds = run_part(
+            command(shape, name, script, extra, folder, model, demo.assets()[data], args.dry), folder, deadline
+        )
         if code is None or code:
             tail = (folder / "output.log").read_text().strip().splitlines()[-1:] or ["?"]
             row["status"] = f"over its {deadline:.0f} s deadline" if code is None else f"failed: {tail[0][:90]}"
             continue
         r = json.loads((folder / "results.json").read_text())
-        row.update(status="ok", seconds=seconds, tok_s=steady_tokens_per_sec(r), peak=r["peak_memory_bytes"],
-                   planned=planned_peak(model, option, shape, name, args.dry), loss=r["losses"][-1])
+        row.update(
+            status="ok",
+            seconds=seconds,
+            tok_s=steady_tokens_per_sec(r),
+            peak=r["peak_memory_bytes"],
+            planned=planned_peak(model, option, shape, name, args.dry),
+            loss=r["losses"][-1],
+        )
         row["launches"], row["syncs"] = profiled(folder)
         row["mfu"] = r.get("mfu")  # ours: over the steady intervals, against the card's peak (progress.RunStats)
     keep(report(rows, f"{device}, {'fp32' if args.dry else 'bf16'}"), out / "GPU.md")
@@ -205,21 +259,37 @@ def keep(table, path):
 
 
 def report(rows, device):
-    lines = [f"{device}; {time.strftime('%Y-%m-%d')}", "",
-             "| shape | run | tok/s | x single-gpu.py | x Trainer | MFU | peak GiB | planned GiB | launches/step | "
-             "syncs/step | last loss | status |", "|" + "---|" * 12]
+    lines = [
+        f"{device}; {time.strftime('%Y-%m-%d')}",
+        "",
+        "| shape | run | tok/s | x single-gpu.py | x Trainer | MFU | peak GiB | planned GiB | launches/step | "
+        "syncs/step | last loss | status |",
+        "|" + "---|" * 12,
+    ]
     for row in rows:
         plain = "single-gpu.py, chats" if "chats" in row["run"] else "single-gpu.py"  # on the same data
         base = next((r for r in rows if r["shape"] == row["shape"] and r["run"] == plain), {})
         peer = next((r for r in rows if r["shape"] == row["shape"] and r["run"].startswith("HF Trainer")), {})
-        ratio = lambda other: f"{row['tok_s'] / other['tok_s']:.2f}x" if row.get("tok_s") and other.get("tok_s") \
-            else "-"
-        gib = lambda key: f"{row[key] / 2**30:.2f}" if row.get(key) else "-"
-        count = lambda key: f"{row[key]:,.0f}" if row.get(key) is not None else "-"
-        cells = [row["shape"], row["run"], f"{row['tok_s']:,.0f}" if row.get("tok_s") else "-", ratio(base),
-                 ratio(peer), f"{100 * row['mfu']:.1f}%" if row.get("mfu") else "-", gib("peak"), gib("planned"),
-                 count("launches"), count("syncs"), f"{row['loss']:.3f}" if row.get("loss") is not None else "-",
-                 row["status"]]
+        # (each used within its iteration)
+        ratio = lambda other, row=row: (
+            f"{row['tok_s'] / other['tok_s']:.2f}x" if row.get("tok_s") and other.get("tok_s") else "-"
+        )
+        gib = lambda key, row=row: f"{row[key] / 2**30:.2f}" if row.get(key) else "-"
+        count = lambda key, row=row: f"{row[key]:,.0f}" if row.get(key) is not None else "-"
+        cells = [
+            row["shape"],
+            row["run"],
+            f"{row['tok_s']:,.0f}" if row.get("tok_s") else "-",
+            ratio(base),
+            ratio(peer),
+            f"{100 * row['mfu']:.1f}%" if row.get("mfu") else "-",
+            gib("peak"),
+            gib("planned"),
+            count("launches"),
+            count("syncs"),
+            f"{row['loss']:.3f}" if row.get("loss") is not None else "-",
+            row["status"],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

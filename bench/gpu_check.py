@@ -1,4 +1,5 @@
 """The GPU smoke test behind bench/gpu_check.sh: see there. Exit code 0 only if every run agrees and reloads."""
+
 import argparse
 import json
 import os
@@ -11,13 +12,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from finetune.internals import demo  # noqa: E402
 from run import model_folder  # noqa: E402
 
-RUNS = [("single GPU", "single-gpu.py", []), ("single GPU, --compile", "single-gpu.py", ["--compile"]),
-        ("ZeRO-0", "zero-optimization.py", ["--zero-stage=0"]), ("ZeRO-2", "zero-optimization.py", ["--zero-stage=2"]),
-        ("ZeRO-3", "zero-optimization.py", ["--zero-stage=3"]),
-        ("ZeRO-3 + CPU offload", "zero-optimization.py", ["--zero-stage=3", "--offload=cpu"])]
+from finetune.internals import demo  # noqa: E402
+
+RUNS = [
+    ("single GPU", "single-gpu.py", []),
+    ("single GPU, --compile", "single-gpu.py", ["--compile"]),
+    ("ZeRO-0", "zero-optimization.py", ["--zero-stage=0"]),
+    ("ZeRO-2", "zero-optimization.py", ["--zero-stage=2"]),
+    ("ZeRO-3", "zero-optimization.py", ["--zero-stage=3"]),
+    ("ZeRO-3 + CPU offload", "zero-optimization.py", ["--zero-stage=3", "--offload=cpu"]),
+]
 RTOL = 2e-2  # bf16: the engine's 16-bit weights and autocast over fp32 ones round differently (CPU: 1e-4 to 1e-3)
 
 
@@ -32,16 +38,35 @@ def main():
     rows = []
     for name, script, extra in RUNS:
         folder = out / "".join(c if c.isalnum() else "_" for c in name)
-        flags = [f"--model={model}", f"--dataset={demo.assets()['questions']}", "--block-size=512", "--batch-size=8",
-                 f"--max-steps={args.steps}", "--precision=bf16", "--save-every=0", "--log-every=10", "--prompt=Hi",
-                 f"--output-dir={folder}", "--overwrite", *extra]
-        launcher = [sys.executable] if script == "single-gpu.py" else [str(Path(sys.executable).parent / "deepspeed"),
-                                                                         "--num_gpus", "1"]
+        flags = [
+            f"--model={model}",
+            f"--dataset={demo.assets()['questions']}",
+            "--block-size=512",
+            "--batch-size=8",
+            f"--max-steps={args.steps}",
+            "--precision=bf16",
+            "--save-every=0",
+            "--log-every=10",
+            "--prompt=Hi",
+            f"--output-dir={folder}",
+            "--overwrite",
+            *extra,
+        ]
+        launcher = (
+            [sys.executable]
+            if script == "single-gpu.py"
+            else [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1"]
+        )
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         if "--compile" in extra:  # what dynamo recompiled or broke off, in the run's output.log
             env["TORCH_LOGS"] = "recompiles,graph_breaks"
-        done = subprocess.run([*launcher, script, *flags] + (["--deepspeed"] if script != "single-gpu.py" else []),
-                              cwd=ROOT, capture_output=True, text=True, env=env)
+        done = subprocess.run(
+            [*launcher, script, *flags] + (["--deepspeed"] if script != "single-gpu.py" else []),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "output.log").write_text(done.stdout + done.stderr)  # what a failure said, whole
         if done.returncode:
@@ -51,10 +76,19 @@ def main():
         ref = json.loads((out / "single_GPU" / "results.json").read_text())["losses"]
         worst = max(abs(a - b) / abs(a) for a, b in zip(ref, r["losses"]))
         from transformers import AutoModelForCausalLM
+
         reloaded = AutoModelForCausalLM.from_pretrained(folder / "final").cuda()  # stock transformers
         ok = worst < RTOL and torch.isfinite(reloaded(torch.tensor([[2, 100, 200]], device="cuda")).logits).all()
-        rows.append((name, "ok" if ok else "MISMATCH", f"{worst:.1e}", f"{r['tokens_per_sec']:,.0f}",
-                     f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-", f"{r['peak_memory_bytes'] / 2**30:.1f}"))
+        rows.append(
+            (
+                name,
+                "ok" if ok else "MISMATCH",
+                f"{worst:.1e}",
+                f"{r['tokens_per_sec']:,.0f}",
+                f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-",
+                f"{r['peak_memory_bytes'] / 2**30:.1f}",
+            )
+        )
     print(f"{torch.cuda.get_device_name()}, OPT-125m shape, bf16, {args.steps} steps of 8 x 512 tokens")
     print(f"{'run':<24}{'status':<12}{'loss vs single GPU':>20}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}")
     for row in rows:

@@ -21,6 +21,7 @@ model's), 4 sequences of 64 tokens a rank:
 The counts are those of a GPU run but for the branches DeepSpeed takes only on CUDA (its side streams and events;
 docs/gpu.md). bench/BENCHMARKS.md holds the table; tests/test_host_cost.py holds the budgets.
 """
+
 import argparse
 import collections
 import contextlib
@@ -48,8 +49,10 @@ RUNS = {  # name -> (script, its flags)
     "ZeRO-1": ("zero-optimization.py", ["--zero-stage=1", "--deepspeed=ds_config_zero2.json"]),
     "ZeRO-2": ("zero-optimization.py", ["--zero-stage=2", "--deepspeed=ds_config_zero2.json"]),
     "ZeRO-3": ("zero-optimization.py", ["--zero-stage=3", "--deepspeed=ds_config_zero3.json"]),
-    "ZeRO-3 + CPU offload": ("zero-optimization.py", ["--zero-stage=3", "--offload=cpu",
-                                                      "--deepspeed=ds_config_zero3.json"]),
+    "ZeRO-3 + CPU offload": (
+        "zero-optimization.py",
+        ["--zero-stage=3", "--offload=cpu", "--deepspeed=ds_config_zero3.json"],
+    ),
 }
 COUNTED_STEP = 3  # steps 1-3 warm up (the optimizer's state, the engine's first-step work); step 4 is counted,
 # step 5's Python calls
@@ -99,6 +102,7 @@ class HostWork(TorchDispatchMode):
             def wrapper(*args, **kwargs):
                 count()
                 return original(*args, **kwargs)
+
             patched.append((owner, name, original, owner.__dict__.get(name) is original))
             setattr(owner, name, wrapper)
 
@@ -118,18 +122,23 @@ class HostWork(TorchDispatchMode):
                     delattr(owner, name)
 
     def result(self):
-        return {"ops": self.ops, "kernels": self.kernels, "reads": self.reads, "syncs": self.syncs,
-                "collectives": dict(self.collectives), "read_lines": dict(self.read_lines.most_common()),
-                "op_lines": dict(self.op_lines.most_common(40)),
-                "collective_lines": {k: n for k, n in self.op_lines.items() if " < " in k}}
+        return {
+            "ops": self.ops,
+            "kernels": self.kernels,
+            "reads": self.reads,
+            "syncs": self.syncs,
+            "collectives": dict(self.collectives),
+            "read_lines": dict(self.read_lines.most_common()),
+            "op_lines": dict(self.op_lines.most_common(40)),
+            "collective_lines": {k: n for k, n in self.op_lines.items() if " < " in k},
+        }
 
 
 def source_line(depth, callers=0):
     """The innermost frame outside torch (and this file), as 'package/file.py:line', and that many of its callers."""
     found = []
     for frame in reversed(traceback.extract_stack()[:-depth]):
-        if "/torch/" not in frame.filename and "typing_extensions" not in frame.filename \
-                and frame.filename != __file__:
+        if "/torch/" not in frame.filename and "typing_extensions" not in frame.filename and frame.filename != __file__:
             found.append(f"{frame.filename.split('site-packages/')[-1].replace(str(ROOT) + '/', '')}:{frame.lineno}")
             if len(found) > callers:
                 break
@@ -151,10 +160,22 @@ def assets(folder):
 
 def flags(name, precision, files, out):
     script, extra = RUNS[name]
-    return script, [f"--model={files['model']}", f"--dataset={files['data']}", "--block-size=64", "--batch-size=4",
-                    f"--max-steps={COUNTED_STEP + 3}", "--log-every=1000", "--save-every=0", "--eval-every=0",
-                    "--max-eval-samples=4", "--prompt=", f"--precision={precision}", f"--output-dir={out}",
-                    "--overwrite", *extra]
+    return script, [
+        f"--model={files['model']}",
+        f"--dataset={files['data']}",
+        "--block-size=64",
+        "--batch-size=4",
+        f"--max-steps={COUNTED_STEP + 3}",
+        "--log-every=1000",
+        "--save-every=0",
+        "--eval-every=0",
+        "--max-eval-samples=4",
+        "--prompt=",
+        f"--precision={precision}",
+        f"--output-dir={out}",
+        "--overwrite",
+        *extra,
+    ]
 
 
 def load_script(name):
@@ -208,10 +229,18 @@ def count_run(name, precision, files, ranks=1, where=False, launch=None):
         worker = ["bench/host_cost.py", "--worker", str(Path(out) / "counts"), str(where), script, *argv]
         if launch is None:
             torchrun = str(Path(sys.executable).parent / "torchrun")
-            launcher = [sys.executable] if ranks == 1 else [torchrun, f"--nproc_per_node={ranks}",
-                                                            f"--master_port={free_port()}"]
-            done = subprocess.run([*launcher, *worker], cwd=ROOT, capture_output=True, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            launcher = (
+                [sys.executable]
+                if ranks == 1
+                else [torchrun, f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+            )
+            done = subprocess.run(
+                [*launcher, *worker],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
         else:
             done = launch(worker[0], worker[1:], ranks)
         if done.returncode:
@@ -221,6 +250,7 @@ def count_run(name, precision, files, ranks=1, where=False, launch=None):
 
 def free_port():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -235,14 +265,18 @@ def worker(folder, where, script, argv):
 
 def table(rows):
     """Markdown: one row per (run, precision, ranks), each figure also as a multiple of single-gpu.py's."""
-    lines = ["| run | precision | ranks | ops | x single-gpu.py | kernels | reads | syncs | collectives | "
-             "Python calls |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | precision | ranks | ops | x single-gpu.py | kernels | reads | syncs | collectives | Python calls |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (name, precision, ranks), c in rows.items():
         base = rows.get(("single-gpu.py", precision, 1))
         ratio = f"{c['ops'] / base['ops']:.2f}x" if base else "-"
         collectives = ", ".join(f"{n} {k}" for k, n in sorted(c["collectives"].items())) or "0"
-        lines.append(f"| {name} | {precision} | {ranks} | {c['ops']:,} | {ratio} | {c['kernels']:,} | {c['reads']} | "
-                     f"{c['syncs']} | {collectives} | {c['calls']:,} |")
+        lines.append(
+            f"| {name} | {precision} | {ranks} | {c['ops']:,} | {ratio} | {c['kernels']:,} | {c['reads']} | "
+            f"{c['syncs']} | {collectives} | {c['calls']:,} |"
+        )
     return "\n".join(lines)
 
 
@@ -262,8 +296,10 @@ def main(argv=None):
     if args.where:
         for precision in args.precision:
             c = count_run(args.where, precision, files, args.ranks[-1], where=True)
-            print(f"{args.where}, {precision}, rank 0 of {args.ranks[-1]}: {c['ops']:,} ops, {c['reads']} reads, "
-                  f"collectives {c['collectives']}")
+            print(
+                f"{args.where}, {precision}, rank 0 of {args.ranks[-1]}: {c['ops']:,} ops, {c['reads']} reads, "
+                f"collectives {c['collectives']}"
+            )
             print("\n".join(f"  read {n:>5}  {line}" for line, n in c["read_lines"].items()))
             print("\n".join(f"  ops  {n:>5}  {line}" for line, n in c["op_lines"].items()))
             print("\n".join(f"  coll {n:>5}  {line}" for line, n in c["collective_lines"].items()))

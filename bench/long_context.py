@@ -6,6 +6,7 @@ that of the same run at a short block. On a CPU the peak is the process's reside
     python3 bench/long_context.py --block 16384 --sp 1 2 4
     python3 bench/long_context.py --hidden 768 --layers 12 --heads 12 --block 4096 --sp 1 2   # the OPT-125m shape
 """
+
 import argparse
 import json
 import os
@@ -21,15 +22,23 @@ from finetune.internals import demo  # noqa: E402
 
 
 def build(folder, hidden, layers, heads, positions):
-    from transformers import AutoModelForCausalLM, LlamaConfig
     import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     texts = [line for line in (folder / "reviews.csv").read_text().splitlines()[1:]]
     tokenizer = demo.make_demo_tokenizer(texts, vocab_size=2000)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=int(8 / 3 * hidden),
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                         max_position_embeddings=positions, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=int(8 / 3 * hidden),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=positions,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
@@ -37,13 +46,44 @@ def build(folder, hidden, layers, heads, positions):
 
 def run(folder, block, size, steps):
     out = folder / f"run-{block}-{size}"
-    argv = ["zero-optimization.py", "--model", str(folder / "model"), "--dataset", str(folder / "reviews.csv"),
-            "--block-size", str(block), "--packing", "stream", "--batch-size", "1", "--max-steps", str(steps),
-            "--zero-stage", "3", "--sequence-parallel", str(size), "--eval-every", "0", "--max-eval-samples", "8",
-            "--prompt", "", "--save-every", "0", "--log-every", "1", "--output-dir", str(out), "--overwrite",
-            "--deepspeed"]
-    launcher = ([sys.executable] if size == 1 else
-                [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(size)])
+    argv = [
+        "zero-optimization.py",
+        "--model",
+        str(folder / "model"),
+        "--dataset",
+        str(folder / "reviews.csv"),
+        "--block-size",
+        str(block),
+        "--packing",
+        "stream",
+        "--batch-size",
+        "1",
+        "--max-steps",
+        str(steps),
+        "--zero-stage",
+        "3",
+        "--sequence-parallel",
+        str(size),
+        "--eval-every",
+        "0",
+        "--max-eval-samples",
+        "8",
+        "--prompt",
+        "",
+        "--save-every",
+        "0",
+        "--log-every",
+        "1",
+        "--output-dir",
+        str(out),
+        "--overwrite",
+        "--deepspeed",
+    ]
+    launcher = (
+        [sys.executable]
+        if size == 1
+        else [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(size)]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // size))}
     done = subprocess.run(launcher + argv, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -72,8 +112,11 @@ def main():
             print(f"| {size} | {args.block} | {long.get('error') or short.get('error')} | | | |")
             continue
         peak, base = long["peak_memory_gb_per_rank"][0], short["peak_memory_gb_per_rank"][0]
-        print(f"| {size} | {args.block:,} | {peak:.2f} | {base:.2f} | {peak - base:.2f} | "
-              f"{long['tokens_per_sec']:,.0f} |", flush=True)
+        print(
+            f"| {size} | {args.block:,} | {peak:.2f} | {base:.2f} | {peak - base:.2f} | "
+            f"{long['tokens_per_sec']:,.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

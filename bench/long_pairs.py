@@ -7,6 +7,7 @@ cut. (With answers that fit, --answer-words 100, the same model reaches 1.000.)
     python3 bench/long_pairs.py                  # this checkout (about 2 minutes on 2 CPU cores)
     python3 bench/long_pairs.py --root ../old    # another checkout's scripts on the same pairs (before and after)
 """
+
 import argparse
 import json
 import random
@@ -56,11 +57,28 @@ def main(argv=None):
         tokenizer = demo.make_demo_tokenizer(texts, vocab_size=300)
         demo.make_demo_lm(out / "model", tokenizer, hidden=64, layers=2, heads=4, positions=512, seed=0)
     run = out / f"run-{Path(args.root).resolve().name}-{shape}"
-    done = subprocess.run([sys.executable, "single-gpu.py", f"--model={out / 'model'}", f"--dataset={train}",
-                           f"--eval-dataset={held}", "--max-eval-samples=0", "--block-size=512", "--batch-size=8",
-                           f"--epochs={args.epochs}", f"--lr={args.lr}", "--log-every=50", "--save-every=0",
-                           "--prompt=",
-                           f"--output-dir={run}", "--overwrite"], cwd=args.root, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "single-gpu.py",
+            f"--model={out / 'model'}",
+            f"--dataset={train}",
+            f"--eval-dataset={held}",
+            "--max-eval-samples=0",
+            "--block-size=512",
+            "--batch-size=8",
+            f"--epochs={args.epochs}",
+            f"--lr={args.lr}",
+            "--log-every=50",
+            "--save-every=0",
+            "--prompt=",
+            f"--output-dir={run}",
+            "--overwrite",
+        ],
+        cwd=args.root,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         sys.exit(f"error: the run failed:\n{done.stderr[-2000:]}")
     start = next(line for line in done.stdout.splitlines() if "pairs in" in line)

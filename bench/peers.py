@@ -10,6 +10,7 @@ Face Trainer with DeepSpeed on the same model, data and number of sequences per 
 Writes <output-dir>/results.json: useful (non-padding) tokens and seconds after the warm-up steps, and rank 0's peak
 memory (on CPU, its peak resident memory).
 """
+
 import argparse
 import json
 import os
@@ -19,24 +20,55 @@ from itertools import chain
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments,
-                          default_data_collator)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from finetune import base, data, distributed, progress, zero_config  # noqa: E402
 
-
 # ZeRO-2 as transformers' DeepSpeed integration documents it (docs: "ZeRO-2 example"), "auto" filled by the Trainer
 HF_ZERO2 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
-                                              "torch_adam": "auto", "fused": "auto"}},
-    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
-                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 10**9, "wall_clock_breakdown": False,
+    "optimizer": {
+        "type": "AdamW",
+        "params": {
+            "lr": "auto",
+            "betas": "auto",
+            "eps": "auto",
+            "weight_decay": "auto",
+            "torch_adam": "auto",
+            "fused": "auto",
+        },
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "steps_per_print": 10**9,
+    "wall_clock_breakdown": False,
 }
 
 
@@ -68,11 +100,15 @@ class TrainingTime(TrainerCallback):
 def rows(recipe, texts, tokenizer, block):
     if recipe == "run_clm":  # group_texts: one stream, cut every `block` tokens, the rest dropped
         ids = list(chain.from_iterable(tokenizer(texts)["input_ids"]))
-        return [{"input_ids": ids[i:i + block], "labels": ids[i:i + block]}
-                for i in range(0, len(ids) - block + 1, block)]
+        return [
+            {"input_ids": ids[i : i + block], "labels": ids[i : i + block]}
+            for i in range(0, len(ids) - block + 1, block)
+        ]
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=block)  # the seeds' way
-    return [{"input_ids": i, "attention_mask": m, "labels": [t if k else -100 for t, k in zip(i, m)]}
-            for i, m in zip(encoded["input_ids"], encoded["attention_mask"])]
+    return [
+        {"input_ids": i, "attention_mask": m, "labels": [t if k else -100 for t, k in zip(i, m)]}
+        for i, m in zip(encoded["input_ids"], encoded["attention_mask"])
+    ]
 
 
 def main():
@@ -92,6 +128,7 @@ def main():
     args = p.parse_args()
     if args.deepspeed:
         import deepspeed
+
         distributed.launch_env()
         deepspeed.init_distributed()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -106,26 +143,50 @@ def main():
     # the same optimizer as ours (torch's AdamW, nothing compiled): the comparison is of the recipes
     config = zero_config.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda) if args.deepspeed else None
     training_args = TrainingArguments(
-        output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
-        max_steps=args.steps, learning_rate=5e-5, report_to="none", save_strategy="no", logging_steps=10**9,
-        use_cpu=not cuda, disable_tqdm=True, bf16=args.precision == "bf16", deepspeed=config, seed=0, data_seed=0,
-        dataloader_pin_memory=cuda)
+        output_dir=str(Path(args.output_dir) / "trainer"),
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps,
+        learning_rate=5e-5,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**9,
+        use_cpu=not cuda,
+        disable_tqdm=True,
+        bf16=args.precision == "bf16",
+        deepspeed=config,
+        seed=0,
+        data_seed=0,
+        dataloader_pin_memory=cuda,
+    )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     if args.recipe == "seeds":
         model.accepts_loss_kwargs = False  # a mean per batch, as in the seeds (see sequence_classification.py)
     warmup = min(args.warmup_steps, args.steps - 1)
     clock = TrainingTime(warmup)
-    trainer = Trainer(model=model, args=training_args, train_dataset=examples, callbacks=[clock, Profile()],
-                      data_collator=default_data_collator)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=examples,
+        callbacks=[clock, Profile()],
+        data_collator=default_data_collator,
+    )
     out = trainer.train()
     useful = sum(sum(r.get("attention_mask", [1] * len(r["input_ids"]))) for r in examples)
     # every step costs the same (all rows of the same length), so the steady steps train the mean useful tokens each
     steady = dict(steps=args.steps - warmup, seconds=clock.seconds, tokens=useful * (args.steps - warmup) / args.steps)
     if int(os.environ.get("RANK", 0)) == 0:
-        base.write_json(Path(args.output_dir) / "results.json", {
-            "steady": steady, "train_tokens": useful, "losses": [out.training_loss], "world_size": world_size,
-            "global_batch_size": args.batch_size * world_size, "steps": args.steps,
-            "peak_memory_bytes": progress.peak_memory_bytes(torch.device("cuda" if cuda else "cpu"))})
+        base.write_json(
+            Path(args.output_dir) / "results.json",
+            {
+                "steady": steady,
+                "train_tokens": useful,
+                "losses": [out.training_loss],
+                "world_size": world_size,
+                "global_batch_size": args.batch_size * world_size,
+                "steps": args.steps,
+                "peak_memory_bytes": progress.peak_memory_bytes(torch.device("cuda" if cuda else "cpu")),
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ both memory-map the files and read batches as training does). Each rank's time a
 
     python3 bench/prepare.py --docs 10000 100000 1000000      # writes out/bench/PREPARE.md
 """
+
 import argparse
 import json
 import os
@@ -23,6 +24,7 @@ def corpus(path, n):
     import csv
 
     from finetune.internals import demo
+
     if path.exists():
         return path
     rng = random.Random(n)
@@ -38,10 +40,10 @@ def worker(dataset, local_rank):
     """One rank: prepare (or wait for) the data, then read 50 batches of 8 blocks as training would."""
     import numpy as np
     import torch
+    from transformers import AutoTokenizer
 
     from finetune import data, flags, training
     from finetune.internals import demo
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo.assets()["lm"])
     settings = flags.defaults(dataset=str(dataset), seed=0, block_size=256, max_eval_samples=0).data
@@ -49,15 +51,31 @@ def worker(dataset, local_rank):
     train, _ = data.prepare(settings, tokenizer, seed=0, local_rank=local_rank)
     prepared = time.perf_counter() - start
     order = np.random.default_rng(local_rank).permutation(len(train))
-    process = training.Process(device=torch.device("cpu"), rank=0, world_size=1, autocast=None,
-                               pad_id=tokenizer.pad_token_id, model_config=None)
+    process = training.Process(
+        device=torch.device("cpu"),
+        rank=0,
+        world_size=1,
+        autocast=None,
+        pad_id=tokenizer.pad_token_id,
+        model_config=None,
+    )
     for k in range(50):
-        train.batch(order[8 * k:8 * (k + 1)], process)
+        train.batch(order[8 * k : 8 * (k + 1)], process)
     with open("/proc/self/status") as f:  # now: the process's own memory, and the file pages it maps (shared)
-        now = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-               if k in ("RssAnon", "RssFile")}
-    print(json.dumps({"rank": local_rank, "seconds": prepared, "blocks": len(train),
-                      "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **now}))
+        now = {
+            k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssFile")
+        }
+    print(
+        json.dumps(
+            {
+                "rank": local_rank,
+                "seconds": prepared,
+                "blocks": len(train),
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                **now,
+            }
+        )
+    )
 
 
 def main():
@@ -77,18 +95,34 @@ def main():
             cache = out / "prepare-cache" / f"{n}-{ranks}"  # a fresh cache: the preparation really runs
             subprocess.run(["rm", "-rf", str(cache)], check=True)
             # and a fresh cache of the datasets library too, whose Arrow copy of the file would serve the next run
-            env = {**os.environ, "DATA_CACHE": str(cache), "HF_DATASETS_CACHE": str(cache / "hf"),
-                   "HF_HUB_OFFLINE": "1"}
-            procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(dataset), str(r)], env=env,
-                                      stdout=subprocess.PIPE, text=True) for r in range(ranks)]
+            env = {
+                **os.environ,
+                "DATA_CACHE": str(cache),
+                "HF_DATASETS_CACHE": str(cache / "hf"),
+                "HF_HUB_OFFLINE": "1",
+            }
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", str(dataset), str(r)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for r in range(ranks)
+            ]
             for proc in procs:
                 line = proc.communicate()[0].strip().splitlines()[-1]
                 rows.append({"docs": n, "ranks": ranks, **json.loads(line)})
-    lines = ["| documents | ranks | rank | preparation (s) | blocks of 256 | peak resident memory (MiB) | at the end: "
-             "own (anonymous) / mapped file pages (MiB) |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['docs']:,} | {r['ranks']} | {r['rank']} | {r['seconds']:.1f} | {r['blocks']:,} | "
-              f"{r['peak_rss'] / 2**20:,.0f} | {r['RssAnon'] / 2**20:,.0f} / {r['RssFile'] / 2**20:,.0f} |"
-              for r in rows]
+    lines = [
+        "| documents | ranks | rank | preparation (s) | blocks of 256 | peak resident memory (MiB) | at the end: "
+        "own (anonymous) / mapped file pages (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['docs']:,} | {r['ranks']} | {r['rank']} | {r['seconds']:.1f} | {r['blocks']:,} | "
+        f"{r['peak_rss'] / 2**20:,.0f} | {r['RssAnon'] / 2**20:,.0f} / {r['RssFile'] / 2**20:,.0f} |"
+        for r in rows
+    ]
     (out / "PREPARE.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -8,6 +8,7 @@ runs beside ours:
 
 TRL installs beside the pins without its dependencies: pip install --no-deps trl==1.16.0
 """
+
 import argparse
 import json
 import os
@@ -17,8 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune import base, data, distributed, zero_config  # noqa: E402
 from peers import HF_ZERO2  # noqa: E402
+
+from finetune import base, data, distributed, zero_config  # noqa: E402
 
 
 def main():
@@ -48,22 +50,43 @@ def main():
     tokenizer.chat_template = tokenizer.chat_template or data.DEFAULT_CHAT_TEMPLATE
     train = datasets.load_dataset("json", data_files=args.dataset)["train"]  # every row, as ours trains on
     config = DPOConfig(
-        output_dir=str(Path(args.output_dir) / "trainer"), per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs, learning_rate=args.lr, beta=args.beta, lr_scheduler_type="cosine",
-        warmup_steps=args.warmup_ratio, max_grad_norm=1.0, weight_decay=0.0, max_length=args.max_length,
-        report_to="none", save_strategy="no", logging_steps=10**9, use_cpu=not cuda, disable_tqdm=True, bf16=False,
-        deepspeed=zero_config.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda), seed=42, data_seed=42,
-        dataloader_pin_memory=cuda, **(dict(gradient_checkpointing=False, precompute_ref_log_probs=True)
-                                       if args.fast else {}))
+        output_dir=str(Path(args.output_dir) / "trainer"),
+        per_device_train_batch_size=args.batch_size,
+        num_train_epochs=args.epochs,
+        learning_rate=args.lr,
+        beta=args.beta,
+        lr_scheduler_type="cosine",
+        warmup_steps=args.warmup_ratio,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        max_length=args.max_length,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**9,
+        use_cpu=not cuda,
+        disable_tqdm=True,
+        bf16=False,
+        deepspeed=zero_config.choose_optimizer(json.loads(json.dumps(HF_ZERO2)), cuda),
+        seed=42,
+        data_seed=42,
+        dataloader_pin_memory=cuda,
+        **(dict(gradient_checkpointing=False, precompute_ref_log_probs=True) if args.fast else {}),
+    )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trainer = DPOTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer)
     out = trainer.train()
     trainer.save_model(str(Path(args.output_dir) / "final"))
     if int(os.environ.get("RANK", 0)) == 0:
         tokenizer.save_pretrained(str(Path(args.output_dir) / "final"))
-        base.write_json(Path(args.output_dir) / "results.json", {
-            "train_loss": out.training_loss, "steps": out.global_step, "train_runtime_s": out.metrics["train_runtime"],
-            "pairs": len(train)})
+        base.write_json(
+            Path(args.output_dir) / "results.json",
+            {
+                "train_loss": out.training_loss,
+                "steps": out.global_step,
+                "train_runtime_s": out.metrics["train_runtime"],
+                "pairs": len(train),
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -339,7 +339,7 @@ def set_rng_state(state, device):
 
 
 if __name__ == "__main__":  # python -m finetune.checkpoints MODULE ARGS...: run MODULE (DeepSpeed's ds_to_universal)
-    import runpy                                                  # with torch.load loading safely (its workers too)
+    import runpy  # with torch.load loading safely (its workers too)
 
     import deepspeed  # noqa: F401 (allowed_types: DeepSpeed's types)
     sys.argv = sys.argv[1:]

@@ -289,7 +289,7 @@ def run_distributed(main):
         code = e.code
     except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: one line, from rank 0
         raise SystemExit("stopped by Ctrl-C; what was logged is on disk, and --resume continues from the newest "
-                         "checkpoint" if os.environ.get("RANK", "0") == "0" else 130)
+                         "checkpoint" if os.environ.get("RANK", "0") == "0" else 130) from None
     except RuntimeError as e:
         lost = ("timed out", "Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL error")
         if not any(marker in str(e) for marker in lost):
@@ -297,7 +297,7 @@ def run_distributed(main):
         rank = os.environ.get("RANK", "?")
         reason = str(e).strip().splitlines()[0].split("] ")[-1][:120]
         raise SystemExit(f"error: rank {rank}: a collective failed ({reason}): another rank died or stopped "
-                         f"answering; see the launcher's log for which, then rerun with --resume")
+                         f"answering; see the launcher's log for which, then rerun with --resume") from None
     if code and torch.distributed.is_initialized():  # stopped by a signal: main() did not reach its own
         torch.distributed.destroy_process_group()
     remove_shm_buffer()

@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 
 from . import hardware, loss, preference, quantization
-from .internals import varlen
 from .base import fail
-
+from .internals import varlen
 
 # The architectures (config.model_type) the tests train under ZeRO-3 on 2 ranks against one process (tests/
 # test_models.py, which writes docs/models.md); others are not refused, only said to be untested.

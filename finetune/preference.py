@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from .base import fail
-from .loss import PairLoss
 from .blocks import rank_batches
+from .loss import PairLoss
 
 COLUMNS = ("prompt", "chosen", "rejected")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

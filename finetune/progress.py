@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from . import hardware, loss, models, preference, tracking
-from .internals import hangs
 from .base import fail, write_json
 from .evaluation import perplexity
+from .internals import hangs
 
 
 @dataclasses.dataclass

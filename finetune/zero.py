@@ -11,8 +11,8 @@ import time
 import torch
 
 from . import checkpoints, hardware
-from .internals import sequence_parallel as finetune_sp
 from .base import ROOT, fail
+from .internals import sequence_parallel as finetune_sp
 
 
 def autocast(engine, device, precision):

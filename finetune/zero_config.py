@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from . import hardware, quantization
-from .internals import sequence_parallel as finetune_sp
 from .base import ROOT, fail
 from .internals import mends
+from .internals import sequence_parallel as finetune_sp
 from .training import ADAM_BETAS, ADAM_EPS, FP16_SCALER
 
 DEFAULT_CONFIG = ROOT / "ds_config_zero3.json"

@@ -1,5 +1,6 @@
 """`as_deepspeed.py VERSION SCRIPT ARGS...`: run SCRIPT with deepspeed.__version__ reading VERSION, as a DeepSpeed
 release the mends were not written for would (finetune/internals/mends.py decides from that string alone)."""
+
 import os
 import runpy
 import sys

@@ -3,6 +3,7 @@ take DeepSpeed's fp16 path (16-bit weights, fp32 masters, its dynamic loss scale
 which has no fp16 kernels on most CPUs; torch's own CPU kernels compute in fp16 all the same. FP16_INIT_SCALE and
 FP16_GROWTH_INTERVAL set training.FP16_SCALER (which the DeepSpeed config must match), so that a test can make the
 first steps overflow, or the scale grow within a few steps."""
+
 import os
 import runpy
 import sys

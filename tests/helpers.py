@@ -2,6 +2,7 @@
 conftest), running the scripts (in process through main(), forked from a pre-imported parent, or under the real
 launchers), the run folder's numbers, the independent loss oracle (stock transformers, each document alone), and the
 assertions and steps several test files take."""
+
 import contextlib
 import importlib.util
 import json
@@ -45,8 +46,17 @@ def load_script(name):
 
 
 def base_args(tiny, out, **overrides):
-    args = {"--model": tiny["model"], "--dataset": tiny["data"], "--block-size": 32, "--lr": 1e-3,
-            "--max-steps": 4, "--log-every": 1, "--save-every": 2, "--output-dir": str(out), "--prompt": ""}
+    args = {
+        "--model": tiny["model"],
+        "--dataset": tiny["data"],
+        "--block-size": 32,
+        "--lr": 1e-3,
+        "--max-steps": 4,
+        "--log-every": 1,
+        "--save-every": 2,
+        "--output-dir": str(out),
+        "--prompt": "",
+    }
     args.update(overrides)
     # --flag=value tokens: an empty value survives the remote shell of a multi-node (pdsh) launch
     return [f"{k}={v}" for k, v in args.items() if v is not None]
@@ -54,8 +64,18 @@ def base_args(tiny, out, **overrides):
 
 def long_run(tiny, out, *extra):
     """60 steps of ZeRO-2 on 2 ranks, a checkpoint every 5: long enough to be stopped in many ways."""
-    return base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": 2, "--max-steps": 60,
-                                   "--save-every": 5, "--log-every": 5}) + ["--deepspeed", *extra]
+    return base_args(
+        tiny,
+        out,
+        **{
+            "--batch-size": 2,
+            "--grad-accum": 2,
+            "--zero-stage": 2,
+            "--max-steps": 60,
+            "--save-every": 5,
+            "--log-every": 5,
+        },
+    ) + ["--deepspeed", *extra]
 
 
 def free_port():
@@ -67,17 +87,31 @@ def free_port():
 class Preimported:
     """tests/preimported.py, started once per session: it forks the ranks of each launch from a parent that has
     imported the libraries (7 s a process on 2 cores), for the tests whose launcher is not what they check."""
+
     server = None
 
     @classmethod
     def run(cls, script, argv, nproc, env, timeout, torchrun):
         if cls.server is None or cls.server.poll() is not None:
-            cls.server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "preimported.py")], cwd=ROOT,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            cls.server = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "preimported.py")],
+                cwd=ROOT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
-            request = {"script": script, "argv": argv, "nproc": nproc, "env": env, "cwd": str(ROOT),
-                       "timeout": timeout, "logs": logs, "torchrun": torchrun}
+            request = {
+                "script": script,
+                "argv": argv,
+                "nproc": nproc,
+                "env": env,
+                "cwd": str(ROOT),
+                "timeout": timeout,
+                "logs": logs,
+                "torchrun": torchrun,
+            }
             cls.server.stdin.write(json.dumps(request) + "\n")
             cls.server.stdin.flush()
             line = cls.server.stdout.readline()
@@ -86,8 +120,9 @@ class Preimported:
             reply = json.loads(line)
             if reply["timed_out"]:
                 raise subprocess.TimeoutExpired(script, timeout)
-            out, err = ("".join(Path(logs, f"rank-{r}.{kind}").read_text() for r in range(nproc))
-                        for kind in ("out", "err"))
+            out, err = (
+                "".join(Path(logs, f"rank-{r}.{kind}").read_text() for r in range(nproc)) for kind in ("out", "err")
+            )
         return subprocess.CompletedProcess([script, *argv], reply["returncode"], out, err)
 
 
@@ -157,19 +192,20 @@ def documents_loss(model, argv, split, indices=None):
     import torch.nn.functional as F
 
     from finetune import blocks, data, models
+
     config = load_script("single-gpu.py").parse_args(argv)
     splits = data.prepare(config.data, models.load_tokenizer(config.model.model), seed=config.train.seed)
     split_blocks = splits[0 if split == "train" else 1]
     total, count = torch.zeros((), dtype=torch.float64), 0
     for i in range(len(split_blocks)) if indices is None else indices:
         start, length = int(split_blocks.starts[i]), int(split_blocks.lengths[i])
-        ids = torch.from_numpy(np.asarray(split_blocks.tokens[start:start + length], dtype=np.int64))
-        flags = np.asarray(split_blocks.flags[start:start + length])
+        ids = torch.from_numpy(np.asarray(split_blocks.tokens[start : start + length], dtype=np.int64))
+        flags = np.asarray(split_blocks.flags[start : start + length])
         bounds = [*np.flatnonzero(flags & blocks.DOC_START), length]
         for a, b in zip(bounds[:-1], bounds[1:]):
-            carries = torch.from_numpy((flags[a + 1:b] & blocks.LOSS) > 0)  # token t+1, predicted at position t
+            carries = torch.from_numpy((flags[a + 1 : b] & blocks.LOSS) > 0)  # token t+1, predicted at position t
             logits = model(ids[None, a:b]).logits[0, :-1]
-            total = total + F.cross_entropy(logits[carries].double(), ids[a + 1:b][carries], reduction="sum")
+            total = total + F.cross_entropy(logits[carries].double(), ids[a + 1 : b][carries], reduction="sum")
             count += int(carries.sum())
     return total, count
 
@@ -218,8 +254,15 @@ def cpu_process(pad_id, model_config, device="cpu"):
     import torch
 
     from finetune import training
-    return training.Process(device=torch.device(device), rank=0, world_size=1, autocast=contextlib.nullcontext(),
-                            pad_id=pad_id, model_config=model_config)
+
+    return training.Process(
+        device=torch.device(device),
+        rank=0,
+        world_size=1,
+        autocast=contextlib.nullcontext(),
+        pad_id=pad_id,
+        model_config=model_config,
+    )
 
 
 def data_args(dataset, **kw):
@@ -230,34 +273,79 @@ def data_args(dataset, **kw):
 def documents_of(split, i):
     """The segments of block i of a split, as token lists (a segment starts at a DOC_START flag)."""
     s, n = split.starts[i], split.lengths[i]
-    tokens, flags = split.tokens[s:s + n], split.flags[s:s + n]
+    tokens, flags = split.tokens[s : s + n], split.flags[s : s + n]
     starts = list(np.flatnonzero(flags & blocks.DOC_START)) + [n]
     return [tokens[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
 
 
 # The architectures people fine-tune, each as a tiny model (test_models.py's matrix)
-SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64)
+SIZES = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 # family: (the config class, what makes it itself beyond the sizes above, what a user knows it as)
 FAMILIES = {
-    "llama": ("LlamaConfig", dict(head_dim=8, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16)), "Llama 3"),
+    "llama": (
+        "LlamaConfig",
+        dict(
+            head_dim=8,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+        "Llama 3",
+    ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), "Qwen 2.5"),
     "qwen3": ("Qwen3Config", dict(head_dim=8, tie_word_embeddings=True), "Qwen 3"),
     "mistral": ("MistralConfig", dict(head_dim=8, sliding_window=16), "Mistral"),
-    "gemma2": ("Gemma2Config", dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
-                                    final_logit_softcapping=30.0, attn_logit_softcapping=50.0), "Gemma 2"),
-    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
-                                             layer_types=["sliding_attention", "full_attention"]), "Gemma 3"),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=16,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+        ),
+        "Gemma 2",
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=8, query_pre_attn_scalar=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"]
+        ),
+        "Gemma 3",
+    ),
     "phi3": ("Phi3Config", dict(sliding_window=None), "Phi-3"),
     "olmo2": ("Olmo2Config", dict(), "OLMo 2"),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), "Mixtral"),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=True), "Qwen3-MoE"),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+        "Qwen3-MoE",
+    ),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), "OLMoE"),
-    "gpt_oss": ("GptOssConfig", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
-                                     sliding_window=16, max_position_embeddings=131072), "gpt-oss"),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=16,
+            max_position_embeddings=131072,
+        ),
+        "gpt-oss",
+    ),
 }
 
 
@@ -266,8 +354,12 @@ def build(name, tokenizer, folder, **changes):
     import transformers
 
     class_name, features, _ = FAMILIES[name]
-    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-               eos_token_id=tokenizer.eos_token_id)
+    ids = dict(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     config = getattr(transformers, class_name)(**{**SIZES, **ids, **features, **changes})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -281,7 +373,7 @@ def sequences(split):
     out = {}
     for b in range(len(split)):
         s, n = split.starts[b], split.lengths[b]
-        tokens, flags = np.asarray(split.tokens[s:s + n]), np.asarray(split.flags[s:s + n])
+        tokens, flags = np.asarray(split.tokens[s : s + n]), np.asarray(split.flags[s : s + n])
         bounds = [*np.flatnonzero(flags & blocks.DOC_START), n]
         segments = [(tokens[a:z].tolist(), flags[a:z]) for a, z in zip(bounds, bounds[1:])]
         loss = lambda f: ((f & blocks.LOSS) > 0).astype(int).tolist()

@@ -1,15 +1,16 @@
 """Tiny DeepSpeed engines in the test's own process, mended by the mends chosen (tests/test_mends.py,
 tests/test_mend_speedups.py): the engines of a file share one process group (DeepSpeed keeps its groups in globals,
 stale after a group is destroyed and made anew)."""
+
 import contextlib
 import os
 import sys
 
 import pytest
 import torch
+from helpers import free_port, load_script
 
 from finetune.internals import mends
-from helpers import free_port, load_script
 
 host_cost = load_script("bench/host_cost.py")
 
@@ -18,8 +19,8 @@ host_cost = load_script("bench/host_cost.py")
 def world():
     """One process group of one for a test file's engines."""
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -34,8 +35,13 @@ def forget_deepspeeds_groups():
     from deepspeed.utils import groups
 
     for name, value in vars(groups).items():
-        if name.startswith("_") and name.endswith(("GROUP", "GROUP_RANKS", "WORLD_SIZE", "RANK")) \
-                and isinstance(value, (dict, type(None))) or name.endswith("_GROUP") and not callable(value):
+        if (
+            name.startswith("_")
+            and name.endswith(("GROUP", "GROUP_RANKS", "WORLD_SIZE", "RANK"))
+            and isinstance(value, (dict, type(None)))
+            or name.endswith("_GROUP")
+            and not callable(value)
+        ):
             setattr(groups, name, {} if isinstance(value, dict) else None)
     ds_comm.cdb = None
 
@@ -45,6 +51,7 @@ def fp16_on_this_cpu(monkeypatch):
     """DeepSpeed's fp16 path on a CPU: its accelerator asks oneDNN, which has no fp16 kernels here; torch's own CPU
     kernels compute in fp16 all the same (as tests/cpu_fp16.py)."""
     from deepspeed.accelerator import get_accelerator
+
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
 
 
@@ -52,9 +59,19 @@ def tiny_model():
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(0)
-    return OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, ffn_dim=32,
-                                    num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16,
-                                    dropout=0.0, attention_dropout=0.0))
+    return OPTForCausalLM(
+        OPTConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=2,
+            ffn_dim=32,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            word_embed_proj_dim=16,
+            dropout=0.0,
+            attention_dropout=0.0,
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -64,16 +81,25 @@ def engine(stage, precision="fp32", *, without=(), only=None, optimizer=torch.op
     import deepspeed
 
     model = tiny_model()
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
-              "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **settings}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 1.0,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **settings,
+    }
     if precision in ("bf16", "fp16"):
         config.setdefault(precision, {"enabled": True})
     ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters(), lr=lr), config=config)
     mended = mends.Mended("all", mends.WRITTEN_FOR[0])
     for entry in mends.MENDS:
-        if not entry.before_engine and entry.concerns(ds) and entry.name not in without \
-                and (only is None or entry.name in only):
+        if (
+            not entry.before_engine
+            and entry.concerns(ds)
+            and entry.name not in without
+            and (only is None or entry.name in only)
+        ):
             mended.take(entry, ds)
     try:
         yield ds

@@ -9,6 +9,7 @@ run, a world of one). As torchrun does, when a rank fails the others are stopped
 behaviour (signals, exit codes, SSH, SLURM) is tested with the real ones.
 
 Protocol: one JSON request per line on stdin, one JSON reply per line on stdout."""
+
 import json
 import os
 import signal
@@ -17,12 +18,33 @@ import time
 from pathlib import Path
 
 # what the scripts and the test helpers import; imported here once, before any rank is forked
-PREIMPORTED = ("torch", "numpy", "deepspeed", "deepspeed.comm.torch", "deepspeed.runtime.engine",
-               "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.ops.adam",
-               "transformers", "transformers.trainer", "transformers.integrations.deepspeed",
-               "transformers.models.opt.modeling_opt", "peft", "datasets", "accelerate", "safetensors.torch",
-               "tqdm", "matplotlib.pyplot", "torch.utils.tensorboard", "finetune.zero", "finetune.zero_config",
-               "finetune.models", "finetune.data", "finetune.distributed", "finetune.internals.demo")
+PREIMPORTED = (
+    "torch",
+    "numpy",
+    "deepspeed",
+    "deepspeed.comm.torch",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.ops.adam",
+    "transformers",
+    "transformers.trainer",
+    "transformers.integrations.deepspeed",
+    "transformers.models.opt.modeling_opt",
+    "peft",
+    "datasets",
+    "accelerate",
+    "safetensors.torch",
+    "tqdm",
+    "matplotlib.pyplot",
+    "torch.utils.tensorboard",
+    "finetune.zero",
+    "finetune.zero_config",
+    "finetune.models",
+    "finetune.data",
+    "finetune.distributed",
+    "finetune.internals.demo",
+)
 GRACE = 10  # seconds the other ranks get to leave on their own once one failed, as a launcher's would
 
 
@@ -34,6 +56,7 @@ def serve():
     # what py-cpuinfo says of the CPU, asked once here for every rank's offloaded optimizer (as the mend cpu_info_once
     # asks it once per process)
     import functools
+
     cpuinfo = importlib.import_module("cpuinfo")
     cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
     cpuinfo.get_cpu_info()
@@ -56,9 +79,19 @@ def launch(script, argv, nproc, env, cwd, timeout, logs, torchrun):
     sys.stdout.flush()
     sys.stderr.flush()
     for rank in range(nproc):
-        ranks = {} if not torchrun else {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                                       "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                                       "MASTER_PORT": port}
+        ranks = (
+            {}
+            if not torchrun
+            else {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+        )
         out, err = f"{logs}/rank-{rank}.out", f"{logs}/rank-{rank}.err"
         pid = os.fork()
         if pid == 0:
@@ -84,8 +117,9 @@ def launch(script, argv, nproc, env, cwd, timeout, logs, torchrun):
                 return {"timed_out": True, "returncode": None}
         time.sleep(0.05)
     # the launcher's status: the first rank that failed (by its own status, not a kill that followed it)
-    failures = [c for r, c in sorted(codes.items()) if c != 0 and c != -signal.SIGKILL] or \
-               [c for c in codes.values() if c != 0]
+    failures = [c for r, c in sorted(codes.items()) if c != 0 and c != -signal.SIGKILL] or [
+        c for c in codes.values() if c != 0
+    ]
     return {"timed_out": False, "returncode": failures[0] if failures else 0}
 
 

@@ -2,15 +2,23 @@
 values it prints. Forked with torchrun's variables (helpers.launch), but under torchrun itself, as the README runs
 them, the first lesson and the one whose subject is a rank that never joins (torchrun is tested for real in
 test_reliability.py too)."""
+
 import re
 
 import pytest
-
 from helpers import launch
 
 UNDER_TORCHRUN = {("p2p", 2), ("timeout", 2)}
-LESSONS = ["p2p", "collectives", "ring_allreduce", "data_parallel", "zero", "tensor_parallel",
-           "pipeline_parallel", "timeout"]
+LESSONS = [
+    "p2p",
+    "collectives",
+    "ring_allreduce",
+    "data_parallel",
+    "zero",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "timeout",
+]
 
 
 def checks(stdout, rank):
@@ -22,8 +30,9 @@ def checks(stdout, rank):
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson(lesson, n):
-    run = launch("torchrun" if (lesson, n) in UNDER_TORCHRUN else "forked", f"basics/{lesson}.py", [], nproc=n,
-                 timeout=300)
+    run = launch(
+        "torchrun" if (lesson, n) in UNDER_TORCHRUN else "forked", f"basics/{lesson}.py", [], nproc=n, timeout=300
+    )
     out = run.stdout
     assert run.returncode == 0, out[-3000:] + run.stderr[-3000:]
     per_rank = [checks(out, r) for r in range(n)]

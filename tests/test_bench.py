@@ -1,11 +1,11 @@
 """bench/run.py on its tiny CPU set: the table is written, each row measured, the ratio to the seeds' recipe filled;
 bench/gpu.py's dry run. A benchmark is never a timed test: no threshold on any figure."""
+
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT, launch, load_script
 
 
@@ -37,9 +37,21 @@ def test_tiny_benchmark_writes_the_table_and_the_ratios(tmp_path, monkeypatch):
 def test_a_probe_that_fails_is_a_row_and_the_set_goes_on(tmp_path, monkeypatch):
     bench = load_script("bench/run.py")
     monkeypatch.setattr(bench, "execute", forked)
-    monkeypatch.setitem(bench.SETS, "probe", {"demo": (2, 128, 1, [
-        bench.run("too big", batch=100000, probe=True),  # fails: less data than one global batch
-        bench.run("fits", batch=4, probe=True)])})
+    monkeypatch.setitem(
+        bench.SETS,
+        "probe",
+        {
+            "demo": (
+                2,
+                128,
+                1,
+                [
+                    bench.run("too big", batch=100000, probe=True),  # fails: less data than one global batch
+                    bench.run("fits", batch=4, probe=True),
+                ],
+            )
+        },
+    )
     rows = bench.main(["--set", "probe", "--out", str(tmp_path)])
     assert [row["run"].split(":")[0] for row in rows] == ["too big", "fits"]  # no peer for a set of probes
     assert "did not run (error: " in rows[0]["run"] and "less than one global batch" in rows[0]["run"]
@@ -65,8 +77,17 @@ def test_the_gpu_benchmarks_dry_run_has_its_columns_its_ratios_and_its_deadlines
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["tok_s"] > 0 for r in rows)
     assert rows[0]["planned"] > 0 and rows[0]["peak"] > 0 and rows[0]["launches"] == 0  # no kernels on a CPU
     table = (tmp_path / "GPU.md").read_text().splitlines()
-    assert table[2].split(" | ")[2:11] == ["tok/s", "x single-gpu.py", "x Trainer", "MFU", "peak GiB", "planned GiB",
-                                           "launches/step", "syncs/step", "last loss"]
+    assert table[2].split(" | ")[2:11] == [
+        "tok/s",
+        "x single-gpu.py",
+        "x Trainer",
+        "MFU",
+        "peak GiB",
+        "planned GiB",
+        "launches/step",
+        "syncs/step",
+        "last loss",
+    ]
     single, trainer = ([c.strip() for c in line.strip("|").split("|")] for line in table[4:6])
     assert single[3] == "1.00x" and trainer[4] == "1.00x"  # each against itself
     assert single[4] == f"{rows[0]['tok_s'] / rows[1]['tok_s']:.2f}x"
@@ -84,8 +105,10 @@ def test_the_attention_benchmark_holds_each_kernel_to_the_documents_run_apart(tm
     from test_varlen import window_form
 
     attention = load_script("bench/attention.py")
-    rows = {r["attention"]: r for r in attention.main(["--dry", "--repeats", "2", "--out", str(tmp_path)],
-                                                      torch_kernel=window_form)}
+    rows = {
+        r["attention"]: r
+        for r in attention.main(["--dry", "--repeats", "2", "--out", str(tmp_path)], torch_kernel=window_form)
+    }
     masked, through, causal = rows[attention.MASKED], rows[attention.VARLEN], rows[attention.CAUSAL]
     assert masked["documents"] > 2 and masked["difference"] < 1e-5 and through["difference"] < 1e-5
     assert causal["difference"] is None and causal["x_causal"] == 1 and masked["ms"] > 0 and through["ms"] > 0

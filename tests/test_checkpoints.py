@@ -1,5 +1,6 @@
 """Checkpoints and resume: on another number of ranks, refused when the global batch or the stage changed, after a
 kill during a save; what publishing keeps; --final best; a NaN loss stops the run; the catalogue of bad input."""
+
 import dataclasses
 import json
 import os
@@ -7,11 +8,22 @@ import shutil
 
 import pytest
 import torch
+from helpers import (
+    assert_close_losses,
+    assert_resumed,
+    assert_same_weights,
+    base_args,
+    check,
+    crash_after_first_checkpoint,
+    launch,
+    load_script,
+    long_run,
+    results,
+    weights,
+)
 from safetensors.torch import load_file, save_file
 
 from finetune import base, checkpoints, flags, zero
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
-                     crash_after_first_checkpoint, launch, load_script, long_run, results, weights)
 
 single = load_script("single-gpu.py")
 
@@ -22,10 +34,17 @@ def test_resume_on_another_number_of_ranks_gives_the_uninterrupted_run(tiny, tmp
     out, FC1 = tmp_path / "run", "model.decoder.layers.0.fc1.weight"
 
     def run(ranks, *extra):
-        argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 4 // ranks, "--zero-stage": stage,
-                                       "--weight-decay": 0.1})  # per group: none on biases and norms
-        return check(launch("forked" if ranks > 1 else "forked-python", "zero-optimization.py",
-                            argv + ["--deepspeed", *extra], nproc=ranks))
+        argv = base_args(
+            tiny, out, **{"--batch-size": 2, "--grad-accum": 4 // ranks, "--zero-stage": stage, "--weight-decay": 0.1}
+        )  # per group: none on biases and norms
+        return check(
+            launch(
+                "forked" if ranks > 1 else "forked-python",
+                "zero-optimization.py",
+                argv + ["--deepspeed", *extra],
+                nproc=ranks,
+            )
+        )
 
     run(saved_by)
     full, full_weights = results(out), weights(out / "final")
@@ -53,12 +72,17 @@ def test_a_resume_that_changes_the_global_batch_or_the_stage_is_one_line(tiny, t
     out = tmp_path / "run"
     shutil.copytree(uninterrupted / "checkpoints", out / "checkpoints")
     for changed, stage, message in [
-        ({"--grad-accum": 2}, 2, "trained on global batches of 8 sequences and this run makes 2 x 2 micro-steps x 1 "
-                                 "ranks = 4; pass --grad-accum 4 to make 8"),
+        (
+            {"--grad-accum": 2},
+            2,
+            "trained on global batches of 8 sequences and this run makes 2 x 2 micro-steps x 1 "
+            "ranks = 4; pass --grad-accum 4 to make 8",
+        ),
         ({"--grad-accum": 4}, 3, "was written with ZeRO stage 2 and this run has stage 3; resume with --zero-stage 2"),
     ]:
         args = load_script("zero-optimization.py").parse_args(
-            base_args(tiny, out, **{"--batch-size": 2, **changed}) + ["--resume"])
+            base_args(tiny, out, **{"--batch-size": 2, **changed}) + ["--resume"]
+        )
         with pytest.raises(SystemExit) as refused:
             zero.resume_folder(out, args, {"zero_optimization": {"stage": stage}}, rank=0, world_size=1, say=print)
         assert str(refused.value).startswith("error: --resume: ") and message in str(refused.value)
@@ -89,8 +113,11 @@ def test_a_checkpoint_that_would_run_code_is_refused_and_runs_nothing(tiny, tmp_
     torch.save(saved, state)
     with pytest.raises(SystemExit) as refused:
         single.main(argv + ["--resume"])
-    assert str(refused.value).startswith(f"error: {state} holds more than a checkpoint does (") and \
-        "posix.system" in str(refused.value) and "loading it could run code, so it is refused" in str(refused.value)
+    assert (
+        str(refused.value).startswith(f"error: {state} holds more than a checkpoint does (")
+        and "posix.system" in str(refused.value)
+        and "loading it could run code, so it is refused" in str(refused.value)
+    )
     assert not ran.exists()
 
 
@@ -119,26 +146,36 @@ def test_a_damaged_newest_checkpoint_is_named_with_the_whole_one_before_it(tiny,
     args = load_script("zero-optimization.py").parse_args(long_run(tiny, out, "--resume"))
     cut = newest / "mp_rank_00_model_states.pt"
     for damage, problem in [
-            (lambda: cut.write_bytes(cut.read_bytes()[:1000]),
-             "mp_rank_00_model_states.pt is cut short (1,000 bytes: not a whole archive)"),
-            (lambda: next(newest.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")).unlink(),
-             "the optim states of rank 1 are missing"),
-            (lambda: (newest / "rng-1.pt").unlink(), "rng-1.pt is missing")]:
+        (
+            lambda: cut.write_bytes(cut.read_bytes()[:1000]),
+            "mp_rank_00_model_states.pt is cut short (1,000 bytes: not a whole archive)",
+        ),
+        (
+            lambda: next(newest.glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt")).unlink(),
+            "the optim states of rank 1 are missing",
+        ),
+        (lambda: (newest / "rng-1.pt").unlink(), "rng-1.pt is missing"),
+    ]:
         damage()
         with pytest.raises(SystemExit) as refused:
             zero.resume_folder(out, args, {"zero_optimization": {"stage": 2}}, rank=0, world_size=2, say=print)
-        assert str(refused.value) == (f"error: --resume: {newest} is damaged: {problem}. step-55 is whole: point "
-                                      f"{out / 'checkpoints' / 'latest'} at it (echo step-55 > "
-                                      f"{out / 'checkpoints' / 'latest'}) and rerun with --resume")
+        assert str(refused.value) == (
+            f"error: --resume: {newest} is damaged: {problem}. step-55 is whole: point "
+            f"{out / 'checkpoints' / 'latest'} at it (echo step-55 > "
+            f"{out / 'checkpoints' / 'latest'}) and rerun with --resume"
+        )
     one = tmp_path / "one"
     argv = base_args(tiny, one, **{"--batch-size": 4, "--grad-accum": 2})
     single.main(argv)
     crash_after_first_checkpoint(one)  # latest -> step-2, the only one
     state = one / "checkpoints" / "step-2" / "state.pt"
     state.write_bytes(state.read_bytes()[:5000])
-    with pytest.raises(SystemExit, match=r"^error: --resume: .*step-2 is damaged: state.pt is cut short \(5,000 "
-                                         r"bytes: not a whole archive\)\. No earlier checkpoint is whole: start over "
-                                         r"with --overwrite$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: --resume: .*step-2 is damaged: state.pt is cut short \(5,000 "
+        r"bytes: not a whole archive\)\. No earlier checkpoint is whole: start over "
+        r"with --overwrite$",
+    ):
         single.main(argv + ["--resume"])
 
 
@@ -157,6 +194,7 @@ def small_disk(tmp_path):
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
         mounted.append(folder)
         return folder
+
     yield mount
     for folder in mounted:
         subprocess.run(["umount", "-l", str(folder)], check=False)
@@ -173,16 +211,18 @@ def test_a_full_disk_is_one_line_the_newest_checkpoint_stays_and_resume_continue
     tiny_disk = small_disk("tiny", "300k")
     with pytest.raises(SystemExit) as full:
         single.main(argv(tiny_disk / "run"))
-    assert str(full.value).startswith(f"error: the disk of {tiny_disk / 'run' / 'checkpoints'} filled while "
-                                      f"checkpoint step-2 was written (") and "no checkpoint is complete" in \
-        str(full.value)
+    assert str(full.value).startswith(
+        f"error: the disk of {tiny_disk / 'run' / 'checkpoints'} filled while checkpoint step-2 was written ("
+    ) and "no checkpoint is complete" in str(full.value)
     assert not list((tiny_disk / "run" / "checkpoints").iterdir())  # the partial folder removed
     small = small_disk("small", "900k")
     with pytest.raises(SystemExit) as refused:
         single.main(argv(small / "run"))
     message = str(refused.value)
-    assert message.startswith("error: checkpoint step-4 needs about 0.5 MB (as step-2 did) and ") and \
-        "nothing written; step-2, the newest complete checkpoint, is untouched" in message
+    assert (
+        message.startswith("error: checkpoint step-4 needs about 0.5 MB (as step-2 did) and ")
+        and "nothing written; step-2, the newest complete checkpoint, is untouched" in message
+    )
     assert (small / "run" / "checkpoints" / "latest").read_text() == "step-2"
     assert sorted(p.name for p in (small / "run" / "checkpoints").iterdir()) == ["latest", "step-2"]
     shutil.copytree(small / "run", tmp_path / "moved")  # a larger disk
@@ -284,8 +324,11 @@ def test_zero_stops_on_nan_too(tiny, tmp_path):
     state = load_file(str(model / "model.safetensors"))
     state[next(iter(state))].fill_(float("inf"))
     save_file(state, str(model / "model.safetensors"), metadata={"format": "pt"})
-    run = launch("forked-python", "zero-optimization.py", base_args(tiny, tmp_path / "run", **{"--model": str(model),
-                                                                                         "--zero-stage": 1}))
+    run = launch(
+        "forked-python",
+        "zero-optimization.py",
+        base_args(tiny, tmp_path / "run", **{"--model": str(model), "--zero-stage": 1}),
+    )
     assert run.returncode != 0 and "error: the loss is nan at step 1" in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
 
@@ -306,25 +349,42 @@ def ds_file(tmp_path, zero):
 # The catalogue of bad input beyond what test_single, test_data, test_classification and test_job check.
 BAD = [
     ("model folder without weights", lambda t, p: {"--model": no_weights(t, p)}, "a model folder needs config.json"),
-    ("unknown hub id while offline", lambda t, p: {"--model": "no-such-org/no-such-model"},
-     "cannot load 'no-such-org/no-such-model': it is not a local folder"),
-    ("DeepSpeed JSON with a typo", lambda t, p: {"--deepspeed_config": ds_file(p, {"stage": 2, "overlap_com": True})},
-     "zero_optimization.overlap_com: Extra inputs are not permitted"),
-    ("DeepSpeed JSON with stage 7", lambda t, p: {"--deepspeed_config": ds_file(p, {"stage": 7})},
-     "zero_optimization.stage: Input should be 0, 1, 2, 3"),
+    (
+        "unknown hub id while offline",
+        lambda t, p: {"--model": "no-such-org/no-such-model"},
+        "cannot load 'no-such-org/no-such-model': it is not a local folder",
+    ),
+    (
+        "DeepSpeed JSON with a typo",
+        lambda t, p: {"--deepspeed_config": ds_file(p, {"stage": 2, "overlap_com": True})},
+        "zero_optimization.overlap_com: Extra inputs are not permitted",
+    ),
+    (
+        "DeepSpeed JSON with stage 7",
+        lambda t, p: {"--deepspeed_config": ds_file(p, {"stage": 7})},
+        "zero_optimization.stage: Input should be 0, 1, 2, 3",
+    ),
     ("checkpoint pointer to a missing folder", "pointer", "which is missing; point it at a step-N folder"),
-    ("LoRA on the output head under the chunked loss", lambda t, p: {"--lora-rank": 4, "--lora-targets":
-                                                                     "q_proj,lm_head"},
-     "--lora-targets q_proj,lm_head puts an adapter on the output head, which the chunked loss reads as its base "
-     "weight (loss.py): the adapter would never train. Leave the head out of --lora-targets, or pass --loss-chunk 0"),
+    (
+        "LoRA on the output head under the chunked loss",
+        lambda t, p: {"--lora-rank": 4, "--lora-targets": "q_proj,lm_head"},
+        "--lora-targets q_proj,lm_head puts an adapter on the output head, which the chunked loss reads as its base "
+        "weight (loss.py): the adapter would never train. Leave the head out of --lora-targets, or pass --loss-chunk 0",
+    ),
 ]
 
 
 def finished_run(out):
     """A folder as a finished run leaves it (its files' contents stand for theirs), and how to see it is untouched."""
-    for name, text in (("results.json", "{}"), ("loss.png", "png"), ("reference.pt", "pairs"),
-                       ("checkpoints/latest", "step-4"), ("checkpoints/step-4/run.json", "{}"),
-                       ("final/model.safetensors", "weights"), ("tensorboard/events", "curves")):
+    for name, text in (
+        ("results.json", "{}"),
+        ("loss.png", "png"),
+        ("reference.pt", "pairs"),
+        ("checkpoints/latest", "step-4"),
+        ("checkpoints/step-4/run.json", "{}"),
+        ("final/model.safetensors", "weights"),
+        ("tensorboard/events", "curves"),
+    ):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     return lambda: {str(f.relative_to(out)): f.read_text() for f in sorted(out.rglob("*")) if f.is_file()}
@@ -372,8 +432,14 @@ def test_a_record_from_before_a_metric_was_kept_restores_without_it():
     has one value a step, None where it was not kept, and the next step's values append to each."""
     from finetune import preference, progress
 
-    old = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+    old = (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    )
     record = progress.Record.restored({"step": 2, "losses": [0.7, 0.6], "pair_metrics": {k: [1.0, 2.0] for k in old}})
     assert set(record.pair_metrics) == set(preference.METRICS) and record.pair_metrics["rewards/chosen"] == [1.0, 2.0]
     assert record.pair_metrics["entropy"] == [None, None] and record.pair_metrics["logits/chosen"] == [None, None]

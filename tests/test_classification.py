@@ -1,5 +1,6 @@
 """sequence_classification.py: string labels, both shipped DeepSpeed configs on 2 processes, the saved model behind
 pipeline(), one process without DeepSpeed, and bad input."""
+
 import csv
 import json
 import os
@@ -10,11 +11,10 @@ import time
 from pathlib import Path
 
 import psutil
-
 import pytest
+from helpers import ROOT, assert_close_losses, check, free_port, launch, load_script, results
 from transformers import pipeline
 
-from helpers import ROOT, assert_close_losses, check, free_port, launch, load_script, results
 from finetune.internals import demo
 
 classification = load_script("sequence_classification.py")
@@ -37,9 +37,27 @@ def sentiment(tmp_path_factory):
 
 
 def argv(root, out, *extra):
-    return ["--model", str(root / "encoder"), "--dataset", str(root / "sentiment.csv"), "--text-column", "review",
-            "--label-column", "sentiment", "--max-length", "96", "--batch-size", "16", "--lr", "2e-3",
-            "--epochs", "2", "--output-dir", str(out), *extra]
+    return [
+        "--model",
+        str(root / "encoder"),
+        "--dataset",
+        str(root / "sentiment.csv"),
+        "--text-column",
+        "review",
+        "--label-column",
+        "sentiment",
+        "--max-length",
+        "96",
+        "--batch-size",
+        "16",
+        "--lr",
+        "2e-3",
+        "--epochs",
+        "2",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +71,20 @@ def test_one_process_without_deepspeed(one_process):
     r, out = one_process
     assert r["accuracy"] >= 0.9 and r["f1_macro"] >= 0.9 and r["world_size"] == 1
     ran = json.loads((out / "run.json").read_text())["args"]  # what --config replays: this script's flags, resolved
-    assert (ran["label_column"], ran["max_length"], ran["weight_decay"], ran["precision"]) == ("sentiment", 96, 0.5,
-                                                                                              "fp32")
+    assert (ran["label_column"], ran["max_length"], ran["weight_decay"], ran["precision"]) == (
+        "sentiment",
+        96,
+        0.5,
+        "fp32",
+    )
     assert r["labels"] == ["negative", "positive"]
     classify = pipeline("text-classification", model=str(out / "final"))
-    answers = classify(["The staff were wonderful and made us feel at home. I cannot wait to come back!",
-                        "The staff ignored us for 40 minutes and never apologized. Never again."])
+    answers = classify(
+        [
+            "The staff were wonderful and made us feel at home. I cannot wait to come back!",
+            "The staff ignored us for 40 minutes and never apologized. Never again.",
+        ]
+    )
     assert [a["label"] for a in answers] == ["positive", "negative"]
 
 
@@ -68,8 +94,9 @@ def assert_same_training(one, two, resumed_at=None):
     assert [h["step"] for h in one["train_log"]] == [h["step"] for h in two["train_log"]]
     window = [h["step"] > resumed_at for h in one["train_log"]].index(True) if resumed_at else None
     for key in ("loss", "grad_norm"):
-        values = [[h[key] for i, h in enumerate(run["train_log"]) if key != "loss" or i != window]
-                  for run in (one, two)]
+        values = [
+            [h[key] for i, h in enumerate(run["train_log"]) if key != "loss" or i != window] for run in (one, two)
+        ]
         assert_close_losses(*values)
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
 
@@ -91,7 +118,7 @@ def two_ranks(sentiment, tmp_path_factory):
 def test_two_processes_with_each_shipped_config(two_ranks):
     """ZeRO-2 and ZeRO-3 on 2 ranks train the same (the Trainer samples the batches of 2 processes differently from
     one's, so the comparison is between the two configs)."""
-    for config, (_, out, run) in two_ranks.items():
+    for _, out, run in two_ranks.values():
         r = results(out)
         assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
         assert "accuracy" in run.stdout and ("positive (" in run.stdout or "negative (" in run.stdout)
@@ -112,16 +139,33 @@ def test_a_signal_stops_it_with_a_checkpoint_and_it_resumes_on_the_same_number_o
     args = [str(out) if a == str(finished) else a for a in args] + ["--resume", "auto"]  # nothing yet: starts
     uninterrupted = results(finished)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    launcher = subprocess.Popen([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
-                                 str(free_port()), "sequence_classification.py", *args], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "deepspeed"),
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "sequence_classification.py",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 300
         while not list((out / "checkpoints").glob("checkpoint-*/trainer_state.json")):  # the first epoch's
             assert launcher.poll() is None and time.time() < deadline, launcher.stdout.read()[-3000:]
             time.sleep(0.05)
-        rank_1 = next(c for c in psutil.Process(launcher.pid).children(recursive=True)
-                      if "--local_rank=1" in " ".join(c.cmdline()))
+        rank_1 = next(
+            c
+            for c in psutil.Process(launcher.pid).children(recursive=True)
+            if "--local_rank=1" in " ".join(c.cmdline())
+        )
         os.kill(rank_1.pid, signal.SIGUSR1)
         log = launcher.communicate(timeout=120)[0]
     finally:
@@ -145,15 +189,19 @@ def test_a_signal_stops_it_with_a_checkpoint_and_it_resumes_on_the_same_number_o
     assert r["world_size"] == 2 and r["accuracy"] >= 0.9, r
     assert [h["step"] for h in r["train_log"]] == [h["step"] for h in uninterrupted["train_log"]]
     before = [h for h in uninterrupted["train_log"] if h["step"] <= step]  # logged before the stop, kept
-    assert r["train_log"][:len(before)] == before
+    assert r["train_log"][: len(before)] == before
 
 
 def test_plain_python_with_deepspeed_is_a_world_of_one(sentiment, tmp_path, one_process):
     """`python3 sequence_classification.py --deepspeed ...` on one GPU: no launcher, so no MPI lookup either. ZeRO-2
     on one rank trains as the run without DeepSpeed: the same eval loss, weight decay kept off biases and norms."""
-    run = check(launch("forked-python", "sequence_classification.py",
-                       argv(sentiment, tmp_path / "run", "--weight-decay", "0.5", "--deepspeed",
-                            "ds_config_zero2.json")))
+    run = check(
+        launch(
+            "forked-python",
+            "sequence_classification.py",
+            argv(sentiment, tmp_path / "run", "--weight-decay", "0.5", "--deepspeed", "ds_config_zero2.json"),
+        )
+    )
     r = results(tmp_path / "run")
     assert r["world_size"] == 1 and r["accuracy"] >= 0.9, (r, run.stderr[-2000:])
     assert r["eval_loss"] == pytest.approx(one_process[0]["eval_loss"], rel=1e-5)
@@ -177,14 +225,21 @@ def test_resume_without_a_checkpoint_is_one_line(sentiment, tmp_path):
         classification.main(argv(sentiment, tmp_path / "run", "--resume"))
 
 
-@pytest.mark.parametrize("content, flags, message", [
-    ("review,stars\ngood,1\nbad,0\n", [], "has no column 'sentiment' (it has review, stars); pass --label-column"),
-    ("review,sentiment\ngood,positive\nbad,\nok,negative\n", [], "rows without a label"),
-    ("review,sentiment\n" + "fine,positive\n" * 10, [], "a single class ('positive')"),
-    ("\x00\x01 not a parquet file", ["--dataset-suffix", ".parquet"], "could not read"),
-    ("review,sentiment\ngood,positive\nbad,negative\n", ["--deepspeed", "missing.json"], "missing.json does not exist"),
-    ("review,sentiment\ngood,positive\nbad,negative\n", ["--lr", "-1"], "--lr must be positive"),
-])
+@pytest.mark.parametrize(
+    "content, flags, message",
+    [
+        ("review,stars\ngood,1\nbad,0\n", [], "has no column 'sentiment' (it has review, stars); pass --label-column"),
+        ("review,sentiment\ngood,positive\nbad,\nok,negative\n", [], "rows without a label"),
+        ("review,sentiment\n" + "fine,positive\n" * 10, [], "a single class ('positive')"),
+        ("\x00\x01 not a parquet file", ["--dataset-suffix", ".parquet"], "could not read"),
+        (
+            "review,sentiment\ngood,positive\nbad,negative\n",
+            ["--deepspeed", "missing.json"],
+            "missing.json does not exist",
+        ),
+        ("review,sentiment\ngood,positive\nbad,negative\n", ["--lr", "-1"], "--lr must be positive"),
+    ],
+)
 @pytest.mark.quick
 def test_bad_input_is_one_line(sentiment, tmp_path, content, flags, message):
     suffix = ".csv"

@@ -1,12 +1,13 @@
 """The DeepSpeed config: "auto" filled from the flags, the optimizer nothing has to compile, offload checks."""
+
 import json
 import types
 
 import pytest
+from helpers import load_script
 from transformers import OPTConfig
 
 from finetune import base, training, zero_config
-from helpers import load_script
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
@@ -16,8 +17,14 @@ ZERO2 = str(base.ROOT / "ds_config_zero2.json")
 
 def shape(hidden_size):
     """A 2-layer OPT of this width: a layer holds 12 h^2 + 13 h parameters (OPTDecoderLayer, ZeRO-3's leaf)."""
-    return OPTConfig(hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=4, ffn_dim=4 * hidden_size,
-                     word_embed_proj_dim=hidden_size, vocab_size=128)
+    return OPTConfig(
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=4 * hidden_size,
+        word_embed_proj_dim=hidden_size,
+        vocab_size=128,
+    )
 
 
 def layer_params(hidden):
@@ -26,17 +33,27 @@ def layer_params(hidden):
 
 def ds_args(path=ZERO3, **kw):
     """zero-optimization.py's Config for `path`, with these values."""
-    values = dict(batch_size=4, grad_accum=2, max_grad_norm=1.0, lr=2e-4, weight_decay=0.01, precision="fp32",
-                  nvme_path="/nvme")
+    values = dict(
+        batch_size=4, grad_accum=2, max_grad_norm=1.0, lr=2e-4, weight_decay=0.01, precision="fp32", nvme_path="/nvme"
+    )
     return load_script("zero-optimization.py").parse_args(["--deepspeed", path]).resolved(**{**values, **kw})
 
 
 def test_auto_values_come_from_the_flags():
     config = zero_config.deepspeed_config(ds_args(), 2, 100, 5, shape(64))
-    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
-            config["train_batch_size"]) == (4, 2, 16)
-    assert config["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01,
-                                             "torch_adam": True, "fused": True}
+    assert (
+        config["train_micro_batch_size_per_gpu"],
+        config["gradient_accumulation_steps"],
+        config["train_batch_size"],
+    ) == (4, 2, 16)
+    assert config["optimizer"]["params"] == {
+        "lr": 2e-4,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+        "torch_adam": True,
+        "fused": True,
+    }
     assert config["bf16"]["enabled"] is False and config["fp16"]["enabled"] is False
     assert config["gradient_clipping"] == 1.0
     # ZeRO-3 gathers and reduces a transformer layer at a time (zero_config.tuned_values)
@@ -50,17 +67,22 @@ def test_auto_values_come_from_the_flags():
     assert config["bf16"]["check_grad_overflow"] is False and "torch_autocast" not in config
     # fp16: the loss scale of single-gpu.py's GradScaler, so both skip the same steps (DeepSpeed grows it after
     # loss_scale_window + 1 clean steps, torch after growth_interval)
-    assert (2 ** config["fp16"]["initial_scale_power"], config["fp16"]["loss_scale_window"] + 1,
-            config["fp16"]["hysteresis"]) == (training.FP16_SCALER["init_scale"],
-                                              training.FP16_SCALER["growth_interval"], 1)
+    assert (
+        2 ** config["fp16"]["initial_scale_power"],
+        config["fp16"]["loss_scale_window"] + 1,
+        config["fp16"]["hysteresis"],
+    ) == (training.FP16_SCALER["init_scale"], training.FP16_SCALER["growth_interval"], 1)
     assert config["fp16"]["loss_scale_window"] == 1000  # DeepSpeed's default, as shipped
 
 
-@pytest.mark.parametrize("cuda, offload, expect", [
-    (True, "none", {"torch_adam": True, "fused": True}),  # torch's fused AdamW: no FusedAdam built with nvcc
-    (False, "none", {"torch_adam": True, "fused": True}),
-    (True, "cpu", {"torch_adam": False}),  # DeepSpeedCPUAdam (C++), which takes no `fused`
-])
+@pytest.mark.parametrize(
+    "cuda, offload, expect",
+    [
+        (True, "none", {"torch_adam": True, "fused": True}),  # torch's fused AdamW: no FusedAdam built with nvcc
+        (False, "none", {"torch_adam": True, "fused": True}),
+        (True, "cpu", {"torch_adam": False}),  # DeepSpeedCPUAdam (C++), which takes no `fused`
+    ],
+)
 def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect):
     config = json.loads(open(ZERO2).read())
     config["zero_optimization"]["offload_optimizer"]["device"] = offload
@@ -68,17 +90,31 @@ def test_the_optimizer_needs_no_compiler_unless_offloaded(cuda, offload, expect)
     assert {k: params[k] for k in ("torch_adam", "fused") if k in params} == expect
 
 
-@pytest.mark.parametrize("fp16, bf16, precision, message", [
-    (False, True, "fp16", "--precision fp16: DeepSpeed does not train in fp16 on this cpu device; pass --precision "
-                          "bf16"),
-    (True, False, "bf16", "--precision bf16: DeepSpeed does not train in bf16 on this cpu device; pass --precision "
-                          "fp32"),
-    (None, False, "fp16", "pass --precision fp32"),  # DeepSpeed's CPU accelerator answers None for no
-    (False, False, "fp32", None), (True, True, "fp16", None), (True, True, "bf16", None),
-])
+@pytest.mark.parametrize(
+    "fp16, bf16, precision, message",
+    [
+        (
+            False,
+            True,
+            "fp16",
+            "--precision fp16: DeepSpeed does not train in fp16 on this cpu device; pass --precision bf16",
+        ),
+        (
+            True,
+            False,
+            "bf16",
+            "--precision bf16: DeepSpeed does not train in bf16 on this cpu device; pass --precision fp32",
+        ),
+        (None, False, "fp16", "pass --precision fp32"),  # DeepSpeed's CPU accelerator answers None for no
+        (False, False, "fp32", None),
+        (True, True, "fp16", None),
+        (True, True, "bf16", None),
+    ],
+)
 def test_a_precision_the_device_lacks_is_one_line(fp16, bf16, precision, message):
-    device = types.SimpleNamespace(is_fp16_supported=lambda: fp16, is_bf16_supported=lambda: bf16,
-                                   device_name=lambda: "cpu")
+    device = types.SimpleNamespace(
+        is_fp16_supported=lambda: fp16, is_bf16_supported=lambda: bf16, device_name=lambda: "cpu"
+    )
     if message is None:
         zero_config.check_precision(precision, device)
     else:
@@ -89,6 +125,7 @@ def test_a_precision_the_device_lacks_is_one_line(fp16, bf16, precision, message
 
 def test_the_config_asks_deepspeeds_own_accelerator(monkeypatch):
     from deepspeed.accelerator import get_accelerator
+
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: None)  # this CPU, and most
     with pytest.raises(SystemExit, match="does not train in fp16 on this cpu device; pass --precision bf16"):
         zero_config.deepspeed_config(ds_args(precision="fp16"), 1, 10, 1, shape(8))
@@ -114,16 +151,20 @@ def test_offload_keeps_the_files_own_keys_for_each_side(tmp_path):
     assert section["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5, "fast_init": True}
 
 
-OPT_1_3B = OPTConfig(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192,
-                     word_embed_proj_dim=2048)  # its largest parameter: the embedding, 50272 x 2048
+OPT_1_3B = OPTConfig(
+    hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, ffn_dim=8192, word_embed_proj_dim=2048
+)  # its largest parameter: the embedding, 50272 x 2048
 
 
-@pytest.mark.parametrize("ranks, precision, elements", [
-    (1, "bf16", 102_957_056),  # the whole embedding (DeepSpeed's default buffer: 1e8 elements, too small)
-    (8, "bf16", 12_869_632),  # an eighth
-    (3, "bf16", 34_319_360),  # ceil(102957056 / 3) = 34319019, up to the next 512 (1024 bytes of 16-bit elements)
-    (3, "fp32", 34_319_104),  # up to the next 256
-])
+@pytest.mark.parametrize(
+    "ranks, precision, elements",
+    [
+        (1, "bf16", 102_957_056),  # the whole embedding (DeepSpeed's default buffer: 1e8 elements, too small)
+        (8, "bf16", 12_869_632),  # an eighth
+        (3, "bf16", 34_319_360),  # ceil(102957056 / 3) = 34319019, up to the next 512 (1024 bytes of 16-bit elements)
+        (3, "fp32", 34_319_104),  # up to the next 256
+    ],
+)
 def test_nvme_swap_buffers_hold_the_largest_shard(ranks, precision, elements):
     args = ds_args(offload="nvme", precision=precision)
     section = zero_config.deepspeed_config(args, ranks, 10, 1, OPT_1_3B)["zero_optimization"]
@@ -136,8 +177,11 @@ def test_a_too_small_swap_buffer_in_the_file_is_one_line(tmp_path):
     config = json.loads(open(ZERO3).read())
     config["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
     path.write_text(json.dumps(config))
-    with pytest.raises(SystemExit, match="buffer_size=100000000 is smaller than this model's largest parameter shard "
-                                         "\\(102957056 elements\\); set it to \"auto\" or at least 102957056"):
+    with pytest.raises(
+        SystemExit,
+        match="buffer_size=100000000 is smaller than this model's largest parameter shard "
+        '\\(102957056 elements\\); set it to "auto" or at least 102957056',
+    ):
         zero_config.deepspeed_config(ds_args(str(path), offload="nvme"), 1, 10, 1, OPT_1_3B)
     assert zero_config.deepspeed_config(ds_args(str(path), offload="nvme"), 2, 10, 1, OPT_1_3B)  # half of it fits
 
@@ -150,11 +194,28 @@ def test_nvme_below_stage_3_is_one_line():
 
 def test_a_scheduler_block_is_filled(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
-        "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "scheduler": {
+                    "type": "WarmupDecayLR",
+                    "params": {
+                        "warmup_min_lr": "auto",
+                        "warmup_max_lr": "auto",
+                        "warmup_num_steps": "auto",
+                        "total_num_steps": "auto",
+                    },
+                }
+            }
+        )
+    )
     config = zero_config.deepspeed_config(ds_args(str(path)), 1, 100, 5, shape(8))
     assert config["scheduler"]["params"] == {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 2e-4, "warmup_num_steps": 5, "total_num_steps": 100}
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 2e-4,
+        "warmup_num_steps": 5,
+        "total_num_steps": 100,
+    }
 
 
 @pytest.mark.parametrize("warmup, total", [(0, 1), (1, 4), (3, 40), (5, 7), (10, 10)])
@@ -163,6 +224,7 @@ def test_the_schedule_is_transformers_cosine_with_warmup(warmup, total):
     every step, bit for bit, past the last step too."""
     import torch
     from transformers import get_cosine_schedule_with_warmup
+
     lrs = []
     for make in (training.cosine_schedule, get_cosine_schedule_with_warmup):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
@@ -175,14 +237,17 @@ def test_the_schedule_is_transformers_cosine_with_warmup(warmup, total):
     assert lrs[0] == lrs[1] and max(lrs[0]) == 3e-4 and lrs[0][total] == (0.0 if warmup < total else 3e-4)
 
 
-@pytest.mark.parametrize("content, message", [
-    ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 vs --batch-size = 4"),
-    ({"train_batch_size": 12}, "train_batch_size=12 vs --batch-size x --grad-accum x 2 ranks = 16"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "optimizer.params.lr=0.1 vs --lr = 0.0002"),
-    ({"bf16": {"enabled": True}}, "bf16.enabled=True vs --precision = False"),
-    ({"fp16": {"enabled": "auto", "hysteresis": 2}}, "fp16.hysteresis=2 vs torch's GradScaler (no hysteresis) = 1"),
-    ({"optimizer": {"type": "AdamW", "params": {"foo": "auto"}}}, "no flag fills optimizer.params.foo"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8 vs --batch-size = 4"),
+        ({"train_batch_size": 12}, "train_batch_size=12 vs --batch-size x --grad-accum x 2 ranks = 16"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "optimizer.params.lr=0.1 vs --lr = 0.0002"),
+        ({"bf16": {"enabled": True}}, "bf16.enabled=True vs --precision = False"),
+        ({"fp16": {"enabled": "auto", "hysteresis": 2}}, "fp16.hysteresis=2 vs torch's GradScaler (no hysteresis) = 1"),
+        ({"optimizer": {"type": "AdamW", "params": {"foo": "auto"}}}, "no flag fills optimizer.params.foo"),
+    ],
+)
 def test_errors_name_both_sides(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
@@ -216,10 +281,23 @@ def test_the_trainer_leaves_no_auto_value_unfilled(path, device, ranks, overlap,
     config, optimizer_args = script.trainer_deepspeed_config(path, torch.device(device), 768, flags)
     assert "optimizer" not in config and optimizer_args == {}  # the Trainer's AdamW, in groups (see the next test)
     hf = HfTrainerDeepSpeedConfig(config)  # what the Trainer (transformers 5.23) does with it
-    args = SimpleNamespace(world_size=ranks, per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                           max_grad_norm=1.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                           weight_decay=0.0, save_on_each_node=False, fp16=False, fp16_full_eval=False,
-                           bf16=device == "cuda", bf16_full_eval=False, get_warmup_steps=lambda n: 0)
+    args = SimpleNamespace(
+        world_size=ranks,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        max_grad_norm=1.0,
+        learning_rate=1e-4,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        save_on_each_node=False,
+        fp16=False,
+        fp16_full_eval=False,
+        bf16=device == "cuda",
+        bf16_full_eval=False,
+        get_warmup_steps=lambda n: 0,
+    )
     hf.trainer_config_process(args)
     hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=768)), 100)
     assert [k for k, v in zero_config._walk(hf.config) if v == "auto"] == []
@@ -252,6 +330,7 @@ def test_bf16_at_zero0_is_autocast_over_fp32_weights_and_the_engines_own_above(s
     AdamW), not DeepSpeed's unfused 16-bit optimizer (a host read per parameter a step); ZeRO-1/2/3 shard DeepSpeed's
     16-bit copies and keep them. fp16 stays DeepSpeed's (its loss scale; mends.py), on a GPU that has it."""
     from deepspeed.accelerator import get_accelerator
+
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
     config = zero_config.deepspeed_config(ds_args(precision="bf16", zero_stage=stage), 1, 10, 1, shape(8))
     if stage == 0:
@@ -275,8 +354,11 @@ def test_a_files_own_precision_choice_at_zero0_is_kept_or_named(tmp_path):
     config = json.loads(open(ZERO2).read())
     config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     path.write_text(json.dumps(config))
-    with pytest.raises(SystemExit, match="torch_autocast autocasts to bfloat16 but --precision is fp32; remove the "
-                                         "torch_autocast section or change --precision"):
+    with pytest.raises(
+        SystemExit,
+        match="torch_autocast autocasts to bfloat16 but --precision is fp32; remove the "
+        "torch_autocast section or change --precision",
+    ):
         zero_config.deepspeed_config(ds_args(str(path), precision="fp32", zero_stage=0), 1, 10, 1, shape(8))
 
 
@@ -293,6 +375,7 @@ def test_zero3_layers_are_leaves_sized_from_the_model():
     """The model's transformer layers (its _no_split_modules) and a mixture of experts' blocks are ZeRO-3's leaves;
     the reduce and prefetch buckets hold a layer, at most DeepSpeed's own 5e8 elements; without layers, the HF rule."""
     from finetune import zero_config as z
+
     classes, largest = z.zero3_layers(z.meta_model(shape(64)))
     assert classes == ["OPTDecoderLayer"] and largest == layer_params(64)
     values = z.tuned_values(3, 8192, True, 8, layer_params=12 * 8192 * 8192)  # a 70B-wide layer: capped
@@ -310,6 +393,7 @@ def test_deepspeeds_muon_loads_only_for_a_config_that_names_it(monkeypatch):
     import torch
 
     from finetune.internals import mend_speedups, mends
+
     earlier = mends.Mended("all", "0.19.8")  # what the configs of this file's other tests installed, undone
     earlier.adopt_pending()
     earlier.undo()
@@ -318,15 +402,18 @@ def test_deepspeeds_muon_loads_only_for_a_config_that_names_it(monkeypatch):
     mends.before_engine({"optimizer": {"type": "AdamW"}})
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     from deepspeed.runtime.zero.muon.original_muon import muon_update
+
     assert not isinstance(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]), MuonWithAuxAdam)
     with pytest.raises(RuntimeError, match="names another optimizer"):
         muon_update(torch.ones(2, 2), torch.zeros(2, 2))
     mends.before_engine({"optimizer": {"type": "Muon"}})
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam as Muon
+
     assert issubclass(Muon, torch.optim.Optimizer) and Muon.__module__ == mend_speedups.MUON_MODULES[0]
     monkeypatch.delitem(sys.modules, mend_speedups.MUON_MODULES[0])
     mends.before_engine({"optimizer": {"type": "AdamW"}}, "none")  # --mends none: DeepSpeed's own import
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam as Muon
+
     assert issubclass(Muon, torch.optim.Optimizer)
     held = mends.Mended("all", "0.19.8")  # what this test installed, held and undone as an engine's Mended would
     held.adopt_pending()

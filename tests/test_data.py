@@ -1,17 +1,24 @@
 """The data layer: formats found from the columns, loss masks, packing that isolates documents, batches, the
 prepared-once cache, loading. In process, on tiny models."""
-import json
+
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
-                          OPTConfig)
+from helpers import cpu_process, data_args, documents_of
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma2Config,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    OPTConfig,
+)
 
 from finetune import blocks, data, evaluation, loss, models, training
-from helpers import cpu_process, data_args, documents_of
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
@@ -48,11 +55,11 @@ def test_every_token_in_its_place(tiny, tokenizer, packing, tmp_path, monkeypatc
     rows = data.load_splits(tiny["data"], seed=0)[0]  # the same training split
     docs = [x + [tokenizer.eos_token_id] for x in tokenizer(list(rows["text"]))["input_ids"]]
     if packing == "stream":  # every token, in order, cut every 32 tokens; a segment per block
-        stream = np.concatenate([train.tokens[s:s + n] for s, n in zip(train.starts, train.lengths)])
+        stream = np.concatenate([train.tokens[s : s + n] for s, n in zip(train.starts, train.lengths)])
         assert stream.tolist() == [t for d in docs for t in d] and (train.lengths[:-1] == 32).all()
         assert all(train.flags[s] == blocks.DOC_START for s in train.starts)
     elif packing == "isolated":  # each document whole, or cut into pieces of 32, each piece a segment
-        pieces = [tuple(d[i:i + 32]) for d in docs for i in range(0, len(d), 32)]
+        pieces = [tuple(d[i : i + 32]) for d in docs for i in range(0, len(d), 32)]
         assert sorted(map(tuple, documents(train))) == sorted(pieces) and (train.lengths <= 32).all()
     else:  # one document per row, cut at 32
         assert [tuple(d) for d in documents(train)] == [tuple(d[:32]) for d in docs]
@@ -71,18 +78,68 @@ def test_isolated_packing_keeps_each_document_whole_in_one_block(tiny, tokenizer
 
 def tiny_models(vocab):
     kw = dict(vocab_size=vocab, hidden_size=32, num_attention_heads=4)
-    yield "opt", OPTConfig(**kw, num_hidden_layers=2, ffn_dim=64, max_position_embeddings=256,
-                           word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0)
-    yield "gpt2", GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0)
-    yield "llama", LlamaConfig(**kw, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2,
-                               max_position_embeddings=256, tie_word_embeddings=False)
+    yield (
+        "opt",
+        OPTConfig(
+            **kw,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+        ),
+    )
+    yield (
+        "gpt2",
+        GPT2Config(
+            vocab_size=vocab,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+    )
+    yield (
+        "llama",
+        LlamaConfig(
+            **kw,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        ),
+    )
     # sliding windows shorter than the documents: every layer (Mistral), or local and global layers (Gemma 2)
-    yield "mistral", MistralConfig(**kw, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2,
-                                   max_position_embeddings=256, sliding_window=8)
-    yield "gemma2", Gemma2Config(**kw, num_hidden_layers=2, intermediate_size=64, num_key_value_heads=2, head_dim=8,
-                                 max_position_embeddings=256, sliding_window=8, query_pre_attn_scalar=8,
-                                 layer_types=["sliding_attention", "full_attention"])
+    yield (
+        "mistral",
+        MistralConfig(
+            **kw,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            sliding_window=8,
+        ),
+    )
+    yield (
+        "gemma2",
+        Gemma2Config(
+            **kw,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            sliding_window=8,
+            query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    )
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -130,118 +187,18 @@ def test_eval_loss_of_packed_documents_equals_one_document_per_row(tiny, tokeniz
         sums[packing] = evaluation.eval_loss_sums(model, evals, 4, process)
     assert sums["isolated"][1] == sums["none"][1] > 0  # the same tokens carry loss
     assert (sums["isolated"][0] / sums["isolated"][1]).item() == pytest.approx(
-        (sums["none"][0] / sums["none"][1]).item(), rel=1e-5)
+        (sums["none"][0] / sums["none"][1]).item(), rel=1e-5
+    )
     # --compile's in-place compile (dynamo alone here): the eval and the generated answers run eagerly, nothing is
     # compiled for them (in eval mode without gradients every graph would be compiled again)
     from torch._dynamo.utils import counters
+
     model.compile(backend="eager")
     frames = counters["frames"]["total"]
     compiled = evaluation.eval_loss_sums(model, evals, 4, process)
     answer = models._generate(model, tokenizer, tokenizer("Review:")["input_ids"], process, max_new_tokens=3)
     assert counters["frames"]["total"] == frames and isinstance(answer, str)
     assert torch.equal(compiled, sums["none"])
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def test_prompt_completion_puts_the_loss_on_the_completion(tmp_path, tiny, tokenizer):
-    rows = [{"prompt": f"Review {i}: the pasta was good.", "completion": f" {i % 5 + 1} stars"} for i in range(40)]
-    path = write_jsonl(tmp_path / "pc.jsonl", rows)
-    train, evals = data.prepare(data_args(path, block_size=64), tokenizer, seed=0)
-    assert train.format == "prompt-completion"
-    completion_tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in rows)
-    assert train.predicted.sum() + evals.predicted.sum() == completion_tokens  # + EOS each, nothing of the prompts
-    model = loss.CausalLMLoss(AutoModelForCausalLM.from_pretrained(tiny["model"]), 8)
-    inputs, labels = train.batch([0], cpu_process(tokenizer.pad_token_id, model.config))
-    with torch.no_grad():
-        full = model.causal_lm(**inputs).logits  # the model's own forward: all logits
-        mine = model(inputs, labels).loss
-        target = labels[0].flatten()
-        reference = torch.nn.functional.cross_entropy(full.flatten(0, 1), target, reduction="sum")
-        assert mine.item() == pytest.approx(reference.item(), rel=1e-6)
-        changed = inputs["input_ids"].clone()
-        position = int(labels[1][0]) + 1  # a completion token (the first that carries loss)
-        changed[0, position] = (changed[0, position] + 1) % len(tokenizer)
-        new_labels = labels._replace(labels=labels.labels.clone())
-        new_labels.labels[0, position - 1] = changed[0, position]
-        assert model({**inputs, "input_ids": changed}, new_labels).loss.item() != mine.item()
-    both = data.prepare(data_args(path, block_size=64, train_on_prompt=True), tokenizer, seed=0)
-    docs = [len(tokenizer(r["prompt"])["input_ids"]) + len(tokenizer(r["completion"], add_special_tokens=False)
-                                                             ["input_ids"]) + 1 for r in rows]
-    assert sum(b.predicted.sum() for b in both) == sum(d - 1 for d in docs)  # every token but each first
-
-
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-@pytest.mark.parametrize("template", ["default", "chatml without markers", "chatml with markers"])
-def test_messages_put_the_loss_on_the_assistant(tmp_path, tiny, template):
-    tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
-    if template != "default":
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-        tokenizer.chat_template = CHATML if "without" in template else CHATML.replace(
-            "{{ '<|im_start|>' + m['role']", "{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
-            "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}"
-            "{{ '<|im_start|>' + m['role']").replace("'<|im_end|>\n' }}{% endfor %}",
-                                                     "'<|im_end|>\n' }}{% endif %}{% endfor %}")
-    chats = [{"messages": [{"role": "system", "content": "Be brief."},
-                           {"role": "user", "content": f"How was review {i}?"},
-                           {"role": "assistant", "content": f"Good {i}."},
-                           {"role": "user", "content": "And the service?"},
-                           {"role": "assistant", "content": "Slow."}]} for i in range(30)]
-    path = write_jsonl(tmp_path / "chats.jsonl", chats)
-    train, evals = data.prepare(data_args(path, block_size=128), tokenizer, seed=0)
-    assert train.format == "messages"
-    for split in (train, evals):
-        for s, n in zip(split.starts, split.lengths):
-            tokens, flags = split.tokens[s:s + n], split.flags[s:s + n]
-            starts = list(np.flatnonzero(flags & blocks.DOC_START)) + [n]
-            assert len(starts) == 2  # one conversation per block here (each is more than half a block)
-            predicted = tokenizer.decode(tokens[(flags & blocks.LOSS) > 0])
-            # the assistant's two answers and their end markers: nothing of the system, user or headers
-            assert predicted.replace(" ", "").startswith("Good") and "Slow." in predicted
-            assert "How" not in predicted and "service" not in predicted and "brief" not in predicted
-
-
-@pytest.mark.parametrize("rows, message", [
-    ([{"messages": [{"role": "user", "content": "hi"}, {"content": "no role"}]}] * 3,
-     "row 0: message 1 is not a {role, content} pair of strings"),
-    ([{"messages": "hello"}] * 3, "row 0: messages is not a non-empty list"),
-    ([{"messages": [{"role": "user", "content": "only a question"}]}] * 3, "row 0: no assistant turn"),
-    ([{"prompt": "p", "completion": "c"}, {"prompt": "p", "completion": ""}] * 3, "row 1: the completion is empty"),
-])
-def test_a_row_of_the_wrong_shape_is_one_line(tmp_path, tokenizer, rows, message):
-    path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(SystemExit) as e:
-        data.prepare(data_args(path, cache_dir=str(tmp_path / "cache")), tokenizer, seed=0)
-    text = str(e.value)
-    assert text.startswith("error: ") and message in text and "\n" not in text and "fix or drop that row" in text
-    # the reason is left for the node's other ranks; the half-written folder is not left at all
-    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".failed"]
-
-
-def test_answers_cut_off_by_the_block_are_one_line(tmp_path, tiny, tokenizer):
-    """One chat per row, cut at 16 tokens: every answer is beyond the cut, nothing carries loss."""
-    with pytest.raises(SystemExit, match=r"loss masked everywhere; \d+ documents were cut at the block size: raise "
-                                         r"--block-size\)$"):
-        data.prepare(data_args(tiny["chats"], block_size=16, packing="none", cache_dir=str(tmp_path / "cache")),
-                     tokenizer, seed=0)
-
-
-def test_formats_from_the_columns_and_the_flags():
-    a = lambda **kw: data_args("d", **kw)
-    assert data.find_format(["text", "label"], a())[0] == "text"
-    assert data.find_format(["prompt", "completion"], a())[0] == "prompt-completion"
-    assert data.find_format(["messages", "text"], a())[0] == "messages"
-    assert data.find_format(["q", "a"], a(prompt_column="q", completion_column="a"))[1] == {
-        "prompt": "q", "completion": "a"}
-    assert data.find_format(["body", "prompt", "completion"], a(text_column="body"))[0] == "text"
-    with pytest.raises(SystemExit, match="has no column 'text' for the text format \\(it has q, a\\)"):
-        data.find_format(["q", "a"], a())
 
 
 def test_prepared_once_then_reused(tiny, tokenizer):
@@ -260,8 +217,8 @@ def test_batches_shift_labels_and_mask_padding(tiny, tokenizer):
     inputs, (labels, index, *_) = train.batch([short, long], cpu_process(1, None))
     n, width = int(train.lengths[short]), int(train.lengths[long])
     assert inputs["input_ids"].shape == labels.shape == (2, width)
-    assert labels[0, :n - 1].tolist() == inputs["input_ids"][0, 1:n].tolist()  # label t is token t+1
-    assert (labels[0, n - 1:] == -100).all() and (inputs["input_ids"][0, n:] == 1).all()
+    assert labels[0, : n - 1].tolist() == inputs["input_ids"][0, 1:n].tolist()  # label t is token t+1
+    assert (labels[0, n - 1 :] == -100).all() and (inputs["input_ids"][0, n:] == 1).all()
     assert index.tolist() == torch.nonzero(labels.flatten() != -100).flatten().tolist()
     mask = inputs["attention_mask"][0, 0]
     assert mask[n:, :n].sum() == 0 and mask[n:, n:].equal(torch.eye(width - n, dtype=torch.bool))  # pads: self
@@ -279,56 +236,7 @@ def test_global_batches_do_not_depend_on_the_split():
     batch = order(5)
     for k, micro in enumerate(batch.view(2, -1)):
         shares = [micro.view(2, -1)[rank] for rank in range(2)]
-        assert torch.cat(shares).tolist() == batch[4 * k:4 * (k + 1)].tolist()
-
-
-@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".json", ".parquet", ".txt"])
-def test_local_formats_and_carved_eval_split(tmp_path, suffix):
-    rows = datasets.Dataset.from_dict({"text": [f"review number {i}" for i in range(40)],
-                                       "label": [i % 5 for i in range(40)]})
-    path = tmp_path / f"data{suffix}"
-    if suffix == ".csv":
-        rows.to_csv(path)
-    elif suffix == ".parquet":
-        rows.to_parquet(path)
-    elif suffix == ".txt":
-        path.write_text("\n".join(list(rows["text"])) + "\n")
-    else:
-        rows.to_json(path, lines=suffix == ".jsonl")
-    train, evaluation = data.load_splits(str(path), seed=0)
-    assert len(train) + len(evaluation) == 40 and len(evaluation) == 2
-    assert sorted(list(train["text"]) + list(evaluation["text"])) == sorted(rows["text"])
-    assert len(data.load_splits(str(path), seed=0, max_train_samples=5)[0]) == 5
-
-
-def test_loading_errors(tmp_path, tiny):
-    with pytest.raises(SystemExit, match="does not exist"):
-        data.load_splits(str(tmp_path / "missing.csv"))
-    (tmp_path / "empty.csv").write_text("text\n")
-    with pytest.raises(SystemExit, match="could not read .*empty.csv .*is it a non-empty .csv file"):
-        data.load_splits(str(tmp_path / "empty.csv"))
-    with pytest.raises(SystemExit, match="could not load dataset 'no-such/dataset'"):
-        data.load_splits("no-such/dataset")
-
-
-def test_an_eval_file_of_its_own(tmp_path, tiny, tokenizer):
-    """--eval-dataset: another file format than the training file's, the same kind of rows; evaluated whole (the
-    training rows all train), or on --max-eval-samples of its rows; a file of another kind of rows is one line."""
-    texts = [f"review number {i} of a place that served food" for i in range(30)]
-    write_jsonl(tmp_path / "held-out.jsonl", [{"text": t} for t in texts])
-    train, evals = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl")), tokenizer,
-                                seed=0)
-    docs = [tuple(x + [tokenizer.eos_token_id]) for x in tokenizer(texts)["input_ids"]]
-    assert sorted(map(tuple, documents(evals))) == sorted(docs)  # the file's rows, whole, and nothing else
-    rows = datasets.load_dataset("csv", data_files=tiny["data"])["train"]  # every row of the training file trains
-    assert train.lengths.sum() == sum(len(x) + 1 for x in tokenizer(list(rows["text"]))["input_ids"])
-    _, some = data.prepare(data_args(tiny["data"], eval_dataset=str(tmp_path / "held-out.jsonl"),
-                                     max_eval_samples=7), tokenizer, seed=0)
-    assert len(documents(some)) == 7 and set(map(tuple, documents(some))) <= set(docs)
-    with pytest.raises(SystemExit) as e:
-        data.prepare(data_args(tiny["data"], eval_dataset=tiny["chats"]), tokenizer, seed=0)
-    assert str(e.value) == (f"error: --eval-dataset {tiny['chats']} has columns messages and the training data is "
-                            f"text in text; give the eval data the same columns")
+        assert torch.cat(shares).tolist() == batch[4 * k : 4 * (k + 1)].tolist()
 
 
 def test_a_multimodal_models_layers_take_their_windows_from_its_text_config():
@@ -337,9 +245,19 @@ def test_a_multimodal_models_layers_take_their_windows_from_its_text_config():
     attend beyond their window."""
     from transformers import Gemma3Config
 
-    config = Gemma3Config(text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                           sliding_window=2, layer_types=["sliding_attention", "full_attention"]))
+    config = Gemma3Config(
+        text_config=dict(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            sliding_window=2,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    )
     assert getattr(config, "sliding_window", None) is None  # not at the top
     same = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
     masks = blocks.document_masks(same, config, "bool")
@@ -355,9 +273,17 @@ def test_a_mistral_checkpoint_that_lists_layer_types_gets_one_windowed_mask():
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, sliding_window=3,
-                           layer_types=["full_attention", "sliding_attention"], attn_implementation="sdpa")
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=3,
+        layer_types=["full_attention", "sliding_attention"],
+        attn_implementation="sdpa",
+    )
     model = MistralForCausalLM(config).eval()
     ids = torch.randint(0, 64, (1, 8))
     mask = blocks.document_masks(torch.ones(1, 1, 8, 8, dtype=torch.bool).tril(), config, "bool")

@@ -1,12 +1,13 @@
 """The command line, parsed once (finetune/flags.py): both scripts take the same shared flags with the same defaults,
 each piece holds what its modules read, --config FILE replays a recipe or a run under the flags given, and what is
 wrong with a file is one line."""
+
 import dataclasses
 import json
 
 import pytest
-
 from helpers import base_args, load_script, results
+
 from finetune import flags
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -24,8 +25,11 @@ def actions(script):
         script.parse_args([])
     finally:
         flags.parse = original
-    return {a.option_strings[0]: (a.dest, a.default, a.choices, a.nargs, a.type) for a in caught[0]._actions
-            if a.option_strings}
+    return {
+        a.option_strings[0]: (a.dest, a.default, a.choices, a.nargs, a.type)
+        for a in caught[0]._actions
+        if a.option_strings
+    }
 
 
 def test_both_scripts_take_the_shared_flags_with_the_same_defaults():
@@ -35,8 +39,16 @@ def test_both_scripts_take_the_shared_flags_with_the_same_defaults():
     assert set(one) <= set(other)
     different = {flag for flag in one if one[flag] != other[flag]}
     assert different == {"--output-dir"}, different  # out/single-gpu, out/zero
-    assert set(other) - set(one) == {"--deepspeed", "--zero-stage", "--offload", "--nvme-path", "--dist-timeout",
-                                     "--sequence-parallel", "--mends", "--local_rank"}
+    assert set(other) - set(one) == {
+        "--deepspeed",
+        "--zero-stage",
+        "--offload",
+        "--nvme-path",
+        "--dist-timeout",
+        "--sequence-parallel",
+        "--mends",
+        "--local_rank",
+    }
     config = zero_script.parse_args([])
     fields = [f.name for piece in config.pieces() for f in dataclasses.fields(piece)]
     dests = {dest for dest, *_ in other.values()} - {"help", "local_rank"}
@@ -58,12 +70,18 @@ def test_a_recipe_file_sets_the_defaults_and_the_command_line_wins(tmp_path):
     recipe.write_text("lr: 3.0e-4\nbatch-size: 4\npacking: none\nreport_to: [tensorboard]\nzero_stage: 2\n")
     config = single.parse_args(["--config", str(recipe), "--batch-size", "2"])
     assert (config.train.lr, config.train.batch_size, config.data.packing, config.run.report_to) == (
-        3e-4, 2, "none", ("tensorboard",))  # zero_stage: zero-optimization.py's, left to it
+        3e-4,
+        2,
+        "none",
+        ("tensorboard",),
+    )  # zero_stage: zero-optimization.py's, left to it
     assert zero_script.parse_args(["--config", str(recipe)]).zero.zero_stage == 2
-    for text, said in [("lr: 1e-4\nbatch_sise: 4\n", "batch_sise is not a flag of this script"),
-                       ("packing: loose\n", "packing 'loose' is not one of isolated, stream, none"),
-                       ("- lr\n", "holds no mapping of flag names to values"),
-                       ("lr: [1\n", "not YAML")]:
+    for text, said in [
+        ("lr: 1e-4\nbatch_sise: 4\n", "batch_sise is not a flag of this script"),
+        ("packing: loose\n", "packing 'loose' is not one of isolated, stream, none"),
+        ("- lr\n", "holds no mapping of flag names to values"),
+        ("lr: [1\n", "not YAML"),
+    ]:
         recipe.write_text(text)
         with pytest.raises(SystemExit, match=f"^error: --config {recipe}: .*{said}"):
             single.parse_args(["--config", str(recipe)])
@@ -83,7 +101,8 @@ def test_a_run_replayed_from_its_run_json_trains_the_same(tiny, tmp_path):
     assert results(again)["losses"] == results(first)["losses"] and len(results(first)["losses"]) == 3
     replayed = json.loads((again / "checkpoints" / "step-3" / "run.json").read_text())["args"]
     assert {k: v for k, v in replayed.items() if k not in ("output_dir", "config")} == {
-        k: v for k, v in record["args"].items() if k not in ("output_dir", "config")}
+        k: v for k, v in record["args"].items() if k not in ("output_dir", "config")
+    }
 
 
 def test_the_classifier_takes_the_shared_pieces_with_its_own_defaults(tmp_path):
@@ -94,12 +113,24 @@ def test_the_classifier_takes_the_shared_pieces_with_its_own_defaults(tmp_path):
     fields = {f.name: piece for piece in flags.PIECES.values() for f in dataclasses.fields(piece)}
     assert {dest for dest, *_ in taken.values()} - {"help", "local_rank"} <= set(fields)
     shared = actions(single)
-    for flag in set(taken) & set(shared) - {"--dataset", "--text-column", "--model", "--batch-size", "--lr",
-                                             "--weight-decay", "--epochs", "--output-dir"}:
+    for flag in set(taken) & set(shared) - {
+        "--dataset",
+        "--text-column",
+        "--model",
+        "--batch-size",
+        "--lr",
+        "--weight-decay",
+        "--epochs",
+        "--output-dir",
+    }:
         assert taken[flag] == shared[flag], flag  # the rest as the causal scripts have it
     config = classifier.parse_args([])
     assert (config.data.dataset, config.model.model, config.classifier.label_column, config.zero.deepspeed) == (
-        "imdb", "distilbert-base-uncased", "label", None)
+        "imdb",
+        "distilbert-base-uncased",
+        "label",
+        None,
+    )
     assert classifier.parse_args(["--deepspeed"]).zero.deepspeed == zero_script.parse_args([]).zero.deepspeed
     recorded = tmp_path / "run.json"
     again = classifier.parse_args(["--lr", "3e-4", "--max-length", "96", "--report-to", "tensorboard"])

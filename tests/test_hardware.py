@@ -1,16 +1,17 @@
 """Every decision a GPU drives, fed the facts a GPU would give: compute capabilities, visible devices, device
 names, SLURM's variables. CPU-green is not GPU-right unless these hold."""
+
 import argparse
 import os
 
 import numpy as np
 import pytest
 import torch
-
 from helpers import cpu_process, load_script
+
 from finetune import blocks, checkpoints, data, distributed, flags, hardware, progress, zero_config
-from finetune.internals import mend_fixes
 from finetune.hardware import Facts
+from finetune.internals import mend_fixes
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
@@ -22,8 +23,9 @@ P100 = Facts("cuda", "Tesla P100-PCIE-16GB", (6, 0), 1)
 CPU = Facts("cpu")
 
 
-@pytest.mark.parametrize("facts, auto", [(H100, "bf16"), (A100, "bf16"), (V100, "fp16"), (T4, "fp16"),
-                                         (P100, "fp32"), (CPU, "fp32")])
+@pytest.mark.parametrize(
+    "facts, auto", [(H100, "bf16"), (A100, "bf16"), (V100, "fp16"), (T4, "fp16"), (P100, "fp32"), (CPU, "fp32")]
+)
 def test_auto_precision_is_bf16_only_from_ampere(facts, auto):
     """torch.cuda.is_bf16_supported() says True on a V100 (it counts emulation); capability 8.0 is the test."""
     assert hardware.choose_precision("auto", facts) == auto
@@ -64,20 +66,41 @@ def test_more_processes_than_gpus_is_one_line():
         hardware.device_index(4, 4)
 
 
-@pytest.mark.parametrize("name, precision, peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "tf32", 495),
-    ("NVIDIA H100 80GB HBM3", "fp32", 67),
-    ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "fp32", 60), ("NVIDIA H200", "bf16", 989),
-    ("NVIDIA H200 NVL", "bf16", 835), ("NVIDIA GH200 480GB", "bf16", 989), ("NVIDIA B200", "bf16", 2250),
-    ("NVIDIA H800", "bf16", 989), ("NVIDIA H800 PCIe", "bf16", 756), ("NVIDIA A100-SXM4-40GB", "bf16", 312),
-    ("NVIDIA A100 80GB PCIe", "tf32", 156), ("NVIDIA A800-SXM4-80GB", "bf16", 312), ("NVIDIA L40S", "bf16", 362),
-    ("NVIDIA L40", "bf16", 181), ("NVIDIA L20", "bf16", 119.5), ("NVIDIA L4", "bf16", 121),
-    ("NVIDIA A10G", "bf16", 70), ("NVIDIA A10", "bf16", 125), ("NVIDIA RTX 6000 Ada Generation", "bf16", 364),
-    ("NVIDIA RTX A6000", "bf16", 155), ("NVIDIA GeForce RTX 4090", "bf16", 165), ("Tesla V100-SXM2-16GB", "fp16", 125),
-    ("Tesla V100-PCIE-32GB", "fp16", 112), ("Tesla V100S-PCIE-32GB", "fp16", 130), ("Tesla T4", "fp16", 65),
-    ("NVIDIA RTX A1000 Laptop GPU", "bf16", None),  # not an A100
-    ("Tesla V100-SXM2-16GB", "tf32", None), ("NVIDIA GB200", "bf16", None),
-])
+@pytest.mark.parametrize(
+    "name, precision, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989),
+        ("NVIDIA H100 80GB HBM3", "tf32", 495),
+        ("NVIDIA H100 80GB HBM3", "fp32", 67),
+        ("NVIDIA H100 PCIe", "bf16", 756),
+        ("NVIDIA H100 NVL", "fp32", 60),
+        ("NVIDIA H200", "bf16", 989),
+        ("NVIDIA H200 NVL", "bf16", 835),
+        ("NVIDIA GH200 480GB", "bf16", 989),
+        ("NVIDIA B200", "bf16", 2250),
+        ("NVIDIA H800", "bf16", 989),
+        ("NVIDIA H800 PCIe", "bf16", 756),
+        ("NVIDIA A100-SXM4-40GB", "bf16", 312),
+        ("NVIDIA A100 80GB PCIe", "tf32", 156),
+        ("NVIDIA A800-SXM4-80GB", "bf16", 312),
+        ("NVIDIA L40S", "bf16", 362),
+        ("NVIDIA L40", "bf16", 181),
+        ("NVIDIA L20", "bf16", 119.5),
+        ("NVIDIA L4", "bf16", 121),
+        ("NVIDIA A10G", "bf16", 70),
+        ("NVIDIA A10", "bf16", 125),
+        ("NVIDIA RTX 6000 Ada Generation", "bf16", 364),
+        ("NVIDIA RTX A6000", "bf16", 155),
+        ("NVIDIA GeForce RTX 4090", "bf16", 165),
+        ("Tesla V100-SXM2-16GB", "fp16", 125),
+        ("Tesla V100-PCIE-32GB", "fp16", 112),
+        ("Tesla V100S-PCIE-32GB", "fp16", 130),
+        ("Tesla T4", "fp16", 65),
+        ("NVIDIA RTX A1000 Laptop GPU", "bf16", None),  # not an A100
+        ("Tesla V100-SXM2-16GB", "tf32", None),
+        ("NVIDIA GB200", "bf16", None),
+    ],
+)
 def test_peak_flops_match_device_names_exactly(name, precision, peak):
     found = hardware.peak_tflops(name, precision)
     assert (found[0] if found else None) == peak
@@ -88,11 +111,26 @@ def test_peak_flops_match_device_names_exactly(name, precision, peak):
 def test_mfu_counts_untied_input_embeddings_out():
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-    opt = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
-                                                     ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16))
-    llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1,
-                                                         intermediate_size=32, num_attention_heads=2,
-                                                         tie_word_embeddings=False))
+    opt = AutoModelForCausalLM.from_config(
+        OPTConfig(
+            vocab_size=100,
+            hidden_size=16,
+            num_hidden_layers=1,
+            ffn_dim=32,
+            num_attention_heads=2,
+            word_embed_proj_dim=16,
+        )
+    )
+    llama = AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=16,
+            num_hidden_layers=1,
+            intermediate_size=32,
+            num_attention_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     total = lambda m: sum(p.numel() for p in m.parameters())
     positions = opt.model.decoder.embed_positions.weight.numel()
     assert hardware.matmul_params(opt) == total(opt) - positions  # tied: the shared matrix counts once, as the head
@@ -160,40 +198,6 @@ def test_batches_go_to_a_gpu_pinned_and_asynchronously(tiny, monkeypatch):
     assert hardware.pinned_copies("cuda") and not hardware.pinned_copies("cpu") and not hardware.pinned_copies("mps")
 
 
-def slurm(procid, ntasks=2, localid=None, **more):
-    return {"SLURM_PROCID": str(procid), "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NTASKS": str(ntasks),
-            "SLURM_LOCALID": str(procid if localid is None else localid), "SLURM_JOB_ID": "4242",
-            "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]", **more}
-
-
-def test_srun_tasks_form_one_world():
-    env = distributed.slurm_env(slurm(3, ntasks=16, localid=3))
-    assert env == {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "MASTER_ADDR": "gpu07",
-                   "MASTER_PORT": str(20000 + 4242 % 20000)}
-    assert distributed.slurm_env(slurm(0, MASTER_PORT="29600"))["MASTER_PORT"] == "29600"
-    assert distributed.slurm_env({**slurm(1), "RANK": "1"}) is None  # torchrun or deepspeed already set it up
-    assert distributed.slurm_env(slurm(0, ntasks=1)) is None  # a batch script or `srun --pty bash`: one task
-    environ = slurm(1, localid=1)
-    assert distributed.launch_env(environ)[:3] == (1, 1, 2) and environ["MASTER_ADDR"] == "gpu07"
-
-
-def test_srun_without_its_variables_is_one_line():
-    broken = slurm(1)
-    del broken["SLURM_LOCALID"]
-    with pytest.raises(SystemExit, match="error: srun started this task without SLURM_PROCID, SLURM_LOCALID"):
-        distributed.slurm_env(broken)
-
-
-@pytest.mark.parametrize("nodes, first", [("gpu[07-08,11],cpu1", "gpu07"), ("rack[1-2]-n[01-04]", "rack1-n01"),
-                                          ("a[1-2]-ib", "a1-ib"), ("n01,n02", "n01"), ("node001", "node001")])
-def test_first_host_of_a_slurm_node_list(nodes, first):
-    assert distributed.first_host(nodes) == first
-
-
-def test_the_teardown_workaround_is_for_cpu_runs_only():
-    assert distributed.skip_teardown(cuda_available=False) and not distributed.skip_teardown(cuda_available=True)
-
-
 def test_random_state_is_this_process_and_its_own_device():
     state = checkpoints.rng_state(torch.device("cpu"))
     assert state["cuda"] is None and state["cpu"].equal(torch.get_rng_state())
@@ -208,9 +212,10 @@ def test_a_universal_resume_puts_each_step_where_adamw_reads_it(fused, where):
     on the parameter's device (here the meta device stands in for a GPU)."""
     params = [torch.empty(4, device="meta"), torch.empty(2, device="meta")]
     shared = torch.tensor(7.0, dtype=torch.float64)  # as loaded: on the CPU, one tensor for all
-    optimizer = argparse.Namespace(param_groups=[{"params": [], "fused": fused, "weight_decay": 0.0}],
-                                   state={p: {"step": shared, "exp_avg": torch.empty(p.shape, device="meta")}
-                                          for p in params})
+    optimizer = argparse.Namespace(
+        param_groups=[{"params": [], "fused": fused, "weight_decay": 0.0}],
+        state={p: {"step": shared, "exp_avg": torch.empty(p.shape, device="meta")} for p in params},
+    )
     mend_fixes.place_optimizer_steps(optimizer)
     steps = [optimizer.state[p]["step"] for p in params]
     assert all(s.device.type == where and s.dtype == torch.float32 for s in steps)
@@ -221,28 +226,25 @@ def test_a_universal_resume_puts_each_step_where_adamw_reads_it(fused, where):
         assert steps[0].item() == 7.0
 
 
-def test_ctrl_c_is_one_line_from_rank_0_and_silence_from_the_others(monkeypatch):
-    """The terminal sends SIGINT to every rank: rank 0 says what happened, the others exit 130 without a word."""
-    def interrupted():
-        raise KeyboardInterrupt
-
-    for rank, code in (("0", "stopped by Ctrl-C; what was logged is on disk, and --resume continues from the newest "
-                              "checkpoint"), ("1", 130)):
-        monkeypatch.setenv("RANK", rank)
-        with pytest.raises(SystemExit) as e:
-            distributed.run_distributed(interrupted)
-        assert e.value.code == code
-
-
 def test_mfu_counts_the_experts_a_token_goes_through_and_the_queries_width():
     """A mixture of experts: each token goes through 2 of the 4 experts, so half of their fused weights count (MFU
     against the active parameters, not all); the attention term uses heads x head size (Gemma 2, gpt-oss: not the
     hidden size)."""
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    mixtral = AutoModelForCausalLM.from_config(MixtralConfig(
-        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2))
+    mixtral = AutoModelForCausalLM.from_config(
+        MixtralConfig(
+            vocab_size=100,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     experts = sum(p.numel() for p in mixtral.parameters() if p.dim() == 3)
     dense = sum(p.numel() for p in mixtral.parameters()) - 100 * 16  # the input embedding is a lookup (untied)
     assert experts == 4 * (2 * 32 * 16 + 16 * 32) and hardware.experts_per_token(mixtral.config) == (4, 2)
@@ -264,15 +266,24 @@ def test_mixtures_of_experts_are_zero3_leaf_modules_found_by_their_structure(tmp
     """Under ZeRO-3 each MoE block (router and experts) is gathered at once: OLMoE's and gpt-oss's blocks, which
     DeepSpeed 0.19.8 does not name, are found by their fused experts; a file's own leaf_module list wins."""
     import json
+
     from transformers import GptOssConfig, OlmoeConfig
 
-    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, num_experts_per_tok=2)
+    small = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts_per_tok=2,
+    )
     olmoe, gpt_oss = OlmoeConfig(**small, num_experts=4), GptOssConfig(**small, num_local_experts=4, head_dim=8)
     assert zero_config.moe_blocks(zero_config.meta_model(olmoe))[-1:] == ["OlmoeSparseMoeBlock"]
     assert zero_config.moe_blocks(zero_config.meta_model(gpt_oss))[-1:] == ["GptOssMLP"]
-    args = load_script("zero-optimization.py").parse_args(["--zero-stage", "3", "--precision", "fp32", "--batch-size",
-                                                            "1", "--lr", "1e-3"])
+    args = load_script("zero-optimization.py").parse_args(
+        ["--zero-stage", "3", "--precision", "fp32", "--batch-size", "1", "--lr", "1e-3"]
+    )
     leaves = zero_config.deepspeed_config(args, 2, 10, 1, olmoe)["zero_optimization"]["leaf_module"]["classes"]
     assert "OlmoeSparseMoeBlock" in leaves
     own = json.loads(open(zero_config.DEFAULT_CONFIG).read())
@@ -291,16 +302,30 @@ def test_a_mixture_of_experts_computes_its_experts_in_the_runs_16_bits(tmp_path,
 
     from finetune import models
 
-    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=32)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    assert hardware.experts_implementation("bf16", 4) == hardware.experts_implementation("fp16", 4) \
+    assert (
+        hardware.experts_implementation("bf16", 4)
+        == hardware.experts_implementation("fp16", 4)
         == "grouped_mm_autocast"
+    )
     assert hardware.experts_implementation("fp32", 4) is None and hardware.experts_implementation("bf16", None) is None
     seen, grouped_mm = [], torch.nn.functional.grouped_mm
-    monkeypatch.setattr(torch.nn.functional, "grouped_mm",
-                        lambda a, b, **kwargs: seen.append((a.dtype, b.dtype)) or grouped_mm(a, b, **kwargs))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "grouped_mm",
+        lambda a, b, **kwargs: seen.append((a.dtype, b.dtype)) or grouped_mm(a, b, **kwargs),
+    )
     operands = {}
     for precision in ("fp32", "bf16"):  # fp32: transformers' default kernel, as every run had it
         settings = flags.defaults(model=str(tmp_path), precision=precision).model
@@ -323,14 +348,17 @@ def test_a_gpu_runs_profile_records_its_kernels():
     assert progress.profiled(False) == ([cpu], "self_cpu_time_total")
 
 
-@pytest.mark.parametrize("environ, usable, node, threads", [
-    ({"LOCAL_SIZE": "2"}, 2, 2, 1),  # deepspeed, 2 ranks on 2 cores: one thread each, not two
-    ({"LOCAL_WORLD_SIZE": "4"}, 64, 64, 16),  # torchrun's variable (with OMP_NUM_THREADS unset by the user)
-    ({"LOCAL_SIZE": "8"}, 4, 4, 1),  # more ranks than cores: still one
-    ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, 2, 2, None),  # the user's choice stands
-    ({"LOCAL_SIZE": "2"}, 8, 64, None),  # pinned by the launcher (srun, numactl) to its share already
-    ({}, 2, 2, None),  # one process: every core
-])
+@pytest.mark.parametrize(
+    "environ, usable, node, threads",
+    [
+        ({"LOCAL_SIZE": "2"}, 2, 2, 1),  # deepspeed, 2 ranks on 2 cores: one thread each, not two
+        ({"LOCAL_WORLD_SIZE": "4"}, 64, 64, 16),  # torchrun's variable (with OMP_NUM_THREADS unset by the user)
+        ({"LOCAL_SIZE": "8"}, 4, 4, 1),  # more ranks than cores: still one
+        ({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "3"}, 2, 2, None),  # the user's choice stands
+        ({"LOCAL_SIZE": "2"}, 8, 64, None),  # pinned by the launcher (srun, numactl) to its share already
+        ({}, 2, 2, None),  # one process: every core
+    ],
+)
 def test_ranks_on_a_node_share_its_cores(environ, usable, node, threads):
     assert distributed.cpu_threads(environ, usable, node) == threads
 
@@ -343,8 +371,14 @@ def test_the_share_reaches_the_trainers_accelerate(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     if cores != os.cpu_count():
         pytest.skip("this process is pinned to some of the cores: nothing to share")
-    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(name, value)
     for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)

@@ -2,8 +2,8 @@
 a per-parameter loop or a collective per layer to the training step fails here, with the count. The counts are exact
 on any machine (the ops a GPU would launch, the values it would wait for), so the budgets are too; the speed they
 buy is measured on a GPU (bench/gpu.sh), never timed here. Ranks forked from the pre-imported parent."""
-import pytest
 
+import pytest
 from helpers import launch, load_script
 
 host_cost = load_script("bench/host_cost.py")
@@ -30,6 +30,7 @@ def counted(tmp_path_factory):
         if (name, precision, ranks) not in runs:
             runs[name, precision, ranks] = host_cost.count_run(name, precision, files, ranks, launch=forked)
         return runs[name, precision, ranks]
+
     return count
 
 
@@ -86,8 +87,9 @@ def test_a_step_runs_through_a_few_modules_a_reader_can_follow(counted):
     loop = ["blocks.py", "loss.py", "progress.py", "training.py"]
     assert counted("single-gpu.py")["modules"] == loop
     for stage in ("ZeRO-2", "ZeRO-3"):
-        assert counted(stage, ranks=2)["modules"] == sorted(loop + ["internals/hangs.py",
-                                                                    "internals/mend_speedups.py"]), stage
+        assert counted(stage, ranks=2)["modules"] == sorted(
+            loop + ["internals/hangs.py", "internals/mend_speedups.py"]
+        ), stage
 
 
 def test_zero3_gathers_and_reduces_a_layer_at_a_time_on_two_ranks(counted):
@@ -109,7 +111,6 @@ def test_the_count_sees_a_host_read_a_sync_and_a_collective():
     import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
-
     from helpers import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

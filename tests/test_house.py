@@ -2,11 +2,11 @@
 over 60 lines but the scripts' main (120), none with more than 5 positional parameters (a signature a library gives
 aside), no import circle in the package (counting imports inside functions too: a circle worked around that way is
 still one), the pair's diff within its budget."""
+
 import ast
 import difflib
 
 import pytest
-
 from helpers import ROOT
 
 pytestmark = pytest.mark.quick
@@ -14,13 +14,19 @@ LIMIT, DIFF_BUDGET = 450, 90
 PRODUCT_LIMIT, FUNCTION_LIMIT, MAIN_LIMIT, POSITIONAL = 400, 60, 120, 5
 # signatures a library gives: autograd Functions' forward, DeepSpeed's allreduce_and_copy (a mend keeps it), torch's
 # _load_from_state_dict (quantization's keeping)
-LIBRARY_SIGNATURES = {("loss.py", "forward"), ("mend_speedups.py", "allreduce_and_copy"),
-                      ("quantization.py", "keeping")}
+LIBRARY_SIGNATURES = {
+    ("loss.py", "forward"),
+    ("mend_speedups.py", "allreduce_and_copy"),
+    ("quantization.py", "keeping"),
+}
 
 
 def python_files():
-    return [p for p in ROOT.rglob("*.py") if not ({".venv", "out", ".demo", "bench"} & set(p.relative_to(ROOT).parts))
-            or p.parent.name == "bench"]
+    return [
+        p
+        for p in ROOT.rglob("*.py")
+        if not ({".venv", "out", ".demo", "bench"} & set(p.relative_to(ROOT).parts)) or p.parent.name == "bench"
+    ]
 
 
 def product_files():
@@ -31,8 +37,9 @@ def product_files():
 def test_every_module_is_within_its_size():
     long = {str(p.relative_to(ROOT)): n for p in python_files() if (n := len(p.read_text().splitlines())) > LIMIT}
     assert not long, long
-    long = {str(p.relative_to(ROOT)): n for p in product_files()
-            if (n := len(p.read_text().splitlines())) > PRODUCT_LIMIT}
+    long = {
+        str(p.relative_to(ROOT)): n for p in product_files() if (n := len(p.read_text().splitlines())) > PRODUCT_LIMIT
+    }
     assert not long, long
 
 
@@ -78,11 +85,12 @@ def circle(graph):
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt, path + [nxt])):
                 return found
         state[node] = "done"
         return None
+
     return next((found for node in sorted(graph) if node not in state and (found := visit(node, [node]))), None)
 
 
@@ -95,8 +103,10 @@ def test_the_package_has_no_import_circle():
 
 def test_the_pair_differs_by_what_zero_changes_only():
     """`diff single-gpu.py zero-optimization.py`, blank lines aside, within its budget of changed lines."""
-    lines = [[line for line in (ROOT / name).read_text().splitlines() if line.strip()]
-             for name in ("single-gpu.py", "zero-optimization.py")]
+    lines = [
+        [line for line in (ROOT / name).read_text().splitlines() if line.strip()]
+        for name in ("single-gpu.py", "zero-optimization.py")
+    ]
     diff = difflib.unified_diff(*lines, n=0, lineterm="")
     changed = [d for d in diff if d[:1] in "+-" and d[:3] not in ("+++", "---")]
     assert len(changed) <= DIFF_BUDGET, len(changed)

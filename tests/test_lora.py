@@ -1,16 +1,25 @@
 """LoRA (--lora-rank) through peft: the same losses and adapters in one process and under ZeRO-2/3 on 2 ranks, an
 adapter saved with its full shapes (never ZeRO-3's empty shards), a merged model that stock transformers loads, the
 base weights untouched, resume."""
+
 import json
 
 import pytest
 import torch
+from helpers import (
+    assert_close_losses,
+    assert_resumed,
+    base_args,
+    check,
+    crash_after_first_checkpoint,
+    launch,
+    load_script,
+    results,
+    weights,
+)
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-
-from helpers import (assert_close_losses, assert_resumed, base_args, check, crash_after_first_checkpoint, launch,
-                     load_script, results, weights)
 
 single = load_script("single-gpu.py")
 LORA = {"--lora-rank": 8, "--lora-alpha": 16, "--lr": 5e-3}
@@ -56,8 +65,10 @@ def test_only_the_adapters_train_and_the_exports_load(tiny, reference):
     assert loaded.model.decoder.layers[0].fc1.weight.shape == original["model.decoder.layers.0.fc1.weight"].shape
 
 
-@pytest.mark.parametrize("stage, offload, resume_on", [(0, "none", None), (1, "cpu", None), (2, "none", "one rank"),
-                                                      (3, "none", "two ranks")])
+@pytest.mark.parametrize(
+    "stage, offload, resume_on",
+    [(0, "none", None), (1, "cpu", None), (2, "none", "one rank"), (3, "none", "two ranks")],
+)
 def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, offload, resume_on):
     """Every stage, offload (at stage 1), and resume: at stage 2 on one rank (another number of ranks), at stage 3
     (with gradient checkpointing) on the same two."""
@@ -70,13 +81,22 @@ def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, of
         if resumed:
             crash_after_first_checkpoint(out)
             one_rank = ["--batch-size", "4"] if resume_on == "one rank" else []  # the same global batch on one rank
-            check(launch("forked-python" if resume_on == "one rank" else "forked", "zero-optimization.py",
-                         argv + one_rank + ["--resume"]))
+            check(
+                launch(
+                    "forked-python" if resume_on == "one rank" else "forked",
+                    "zero-optimization.py",
+                    argv + one_rank + ["--resume"],
+                )
+            )
             assert_resumed(out)
         r = results(out)
-        assert r["ran"] == {"weights_dtype": "float32", "gradient_checkpointing": stage == 3, "zero_stage": stage,
-                            "engine_precision": "fp32",
-                            "optimizer": "DeepSpeedCPUAdam on cpu" if offload == "cpu" else "AdamW on cpu"}
+        assert r["ran"] == {
+            "weights_dtype": "float32",
+            "gradient_checkpointing": stage == 3,
+            "zero_stage": stage,
+            "engine_precision": "fp32",
+            "optimizer": "DeepSpeedCPUAdam on cpu" if offload == "cpu" else "AdamW on cpu",
+        }
         assert_close_losses(ref["losses"], r["losses"])
         assert_close_losses(ref["grad_norms"], r["grad_norms"])
         mine, want = adapter(out), adapter(reference)
@@ -109,8 +129,13 @@ def test_lora_under_zero3_trains_in_the_runs_16_bits(tiny, tmp_path, reference):
     argv = lora_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 3, "--precision": "bf16"})
     check(launch("forked-python", "zero-optimization.py", argv + ["--deepspeed"]))
     r = results(out)
-    assert r["ran"] == {"weights_dtype": "bfloat16", "gradient_checkpointing": False, "zero_stage": 3,
-                        "engine_precision": "bf16", "optimizer": "AdamW on cpu"}
+    assert r["ran"] == {
+        "weights_dtype": "bfloat16",
+        "gradient_checkpointing": False,
+        "zero_stage": 3,
+        "engine_precision": "bf16",
+        "optimizer": "AdamW on cpu",
+    }
     first = results(reference)["losses"][0]  # before any update (B = 0): the fp32 run's loss, to bf16's rounding
     assert abs(r["losses"][0] - first) < 1e-2 * first
 
@@ -125,8 +150,9 @@ def test_the_merge_adds_into_the_gathered_state_and_never_into_the_training_mode
     from finetune import models
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny["model"]),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny["model"]), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
     for name, p in model.named_parameters():
         if "lora_B" in name:
             p.data.normal_()  # adapters that change the weights

@@ -1,27 +1,50 @@
 """The chunked loss equals the plain cross-entropy, loss and gradients, for OPT, GPT-2 and Llama (tied and untied
 heads), with padding and masked labels; and it never holds all the logits at once."""
+
 import pytest
 import torch
+from helpers import cpu_process, data_args
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig, OPTConfig
 
 from finetune import data, loss
-from helpers import cpu_process, data_args
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
 
 ARCHITECTURES = {
-    "opt (tied)": lambda v: OPTConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
-                                      num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
-                                      dropout=0.0),
-    "gpt2 (tied)": lambda v: GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
-                                        embd_pdrop=0.0, attn_pdrop=0.0),
-    "llama (untied)": lambda v: LlamaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                                            num_attention_heads=4, num_key_value_heads=2,
-                                            max_position_embeddings=256, tie_word_embeddings=False),
-    "llama (tied)": lambda v: LlamaConfig(vocab_size=v, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                          tie_word_embeddings=True),
+    "opt (tied)": lambda v: OPTConfig(
+        vocab_size=v,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        word_embed_proj_dim=32,
+        dropout=0.0,
+    ),
+    "gpt2 (tied)": lambda v: GPT2Config(
+        vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    ),
+    "llama (untied)": lambda v: LlamaConfig(
+        vocab_size=v,
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
+    "llama (tied)": lambda v: LlamaConfig(
+        vocab_size=v,
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -46,7 +69,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_cross_entropy(chats, name):
     chunked.load_state_dict(plain.state_dict())
     chunked = loss.CausalLMLoss(chunked, chunk_tokens=37)  # several chunks, the last one short
     # four blocks of unequal length: padding at the ends, the prompts' labels masked
-    rows = sorted(range(len(train)), key=lambda i: train.lengths[i])[::len(train) // 4][:4]
+    rows = sorted(range(len(train)), key=lambda i: train.lengths[i])[:: len(train) // 4][:4]
     inputs, labels = train.batch(rows, cpu_process(tokenizer.pad_token_id, chunked.config))
     assert (labels[0] == -100).float().mean() > 0.5 and inputs["input_ids"].shape[0] == 4
 

@@ -1,12 +1,12 @@
 """Each speed mend among DeepSpeed's mends (finetune/internals/mends.py), on a tiny engine in this process: the host
 work it saves a step (ops, Python calls, host reads, syncs: bench/host_cost.py's counts) and the numbers it leaves as
 they were."""
+
 import pytest
 import torch
-
-from finetune.internals import mend_speedups, mends
 from mended import counted, engine, host_cost, step, weights, world  # noqa: F401 (fixtures)
 
+from finetune.internals import mend_speedups, mends
 
 # ----------------------------------------------------------------------------------------------------
 # The speed mends: what each saves a step
@@ -98,6 +98,7 @@ def test_zero_steps_leave_weights_in_place_and_copy_gradients_once():
     OPT-125m's 196 tensors; zero3_step_in_place, ZeRO-3's shards: 588); a buffer that has moved (as offload_states
     moves it) still gets them pointed at it. ZeRO-3's fp32 gradient partition, made at once from DeepSpeed's gradient
     buffer, holds what its flatten-then-convert made (bf16 gradients: exactly)."""
+
     def stays(weights, flat, repoint):
         on_flat = lambda: all(w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for w in weights)
         assert on_flat()
@@ -114,8 +115,9 @@ def test_zero_steps_leave_weights_in_place_and_copy_gradients_once():
     with engine(2, "bf16") as ds:
         step(ds)
         optimizer = ds.optimizer
-        stays(optimizer.bit16_groups[0], optimizer.bit16_groups_flat[0],
-              lambda: optimizer._update_model_bit16_weights(0))
+        stays(
+            optimizer.bit16_groups[0], optimizer.bit16_groups_flat[0], lambda: optimizer._update_model_bit16_weights(0)
+        )
     with engine(3, "bf16") as ds:
         ids = torch.arange(8).unsqueeze(0)
         ds.backward(ds(input_ids=ids, labels=ids).loss)
@@ -130,8 +132,11 @@ def test_zero_steps_leave_weights_in_place_and_copy_gradients_once():
         assert torch.equal(fp32.grad, expected)
         fp32.grad, optimizer.averaged_gradients[0] = None, grads  # as before, for the step
         ds.step()
-        stays(optimizer.fp16_partitioned_groups[0], optimizer.fp16_partitioned_groups_flat[0],
-              lambda: optimizer._unflatten_partitioned_parameters(0))
+        stays(
+            optimizer.fp16_partitioned_groups[0],
+            optimizer.fp16_partitioned_groups_flat[0],
+            lambda: optimizer._unflatten_partitioned_parameters(0),
+        )
 
 
 def test_zero3_keeps_each_modules_parameters_until_a_module_registers_one():
@@ -177,7 +182,6 @@ def test_cpu_info_once(monkeypatch):
 
     import cpuinfo
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-
     from helpers import ROOT
 
     config = json.loads((ROOT / "ds_config_zero2.json").read_text())

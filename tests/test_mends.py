@@ -2,17 +2,19 @@
 without it and gone with it; and the registry itself (a DeepSpeed it was not written for, fed as a version string;
 --mends; applying twice; undoing what is process-wide). A DeepSpeed upgrade runs this file and
 tests/test_mend_speedups.py to learn which mends it can delete."""
+
 import pytest
 import torch
+from mended import engine, fp16_on_this_cpu, step, weights, world  # noqa: F401 (fixtures)
 
 from finetune.internals import mends
-from mended import engine, fp16_on_this_cpu, step, weights, world  # noqa: F401 (fixtures)
 
 RAN = []  # what the pickle below appends to when a loader runs it
 
 
 # ----------------------------------------------------------------------------------------------------
 # The fixes: each defect without its mend, gone with it
+
 
 def test_adam_starts_at_the_first_step():
     """ZeRO-0 in bf16 (DeepSpeed's own 16-bit weights): its optimizer steps Adam once on zero gradients as it is
@@ -36,8 +38,7 @@ def test_fp16_at_stage0_scales_the_loss_and_reports_the_unscaled_norm(mend):
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1}}
     found = {}
     for without in ((), (mend,)):
-        with engine(0, "fp16", without=without, optimizer=torch.optim.SGD, lr=1.0, gradient_clipping=0.0,
-                    **fp16) as ds:
+        with engine(0, "fp16", without=without, optimizer=torch.optim.SGD, lr=1.0, gradient_clipping=0.0, **fp16) as ds:
             before = weights(ds)
             step(ds)
             found[without] = (weights(ds) - before, ds.get_global_grad_norm())
@@ -57,8 +58,9 @@ def test_fp16_grows_the_scale_after_the_update(stage):
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1, "hysteresis": 1}}
     updates = {}
     for without in ((), ("fp16_grows_after_the_update",)):
-        with engine(stage, "fp16", without=without, optimizer=torch.optim.SGD, lr=1.0, gradient_clipping=0.0,
-                    **fp16) as ds:
+        with engine(
+            stage, "fp16", without=without, optimizer=torch.optim.SGD, lr=1.0, gradient_clipping=0.0, **fp16
+        ) as ds:
             step(ds)  # (DeepSpeed's first clean step starts the window)
             before = weights(ds)
             step(ds)
@@ -108,8 +110,13 @@ def test_checkpoints_load_no_code(tmp_path):
 
 def decayed_matrices_only(parameters, lr):
     parameters = list(parameters)
-    return torch.optim.AdamW([{"params": [p for p in parameters if p.dim() > 1], "weight_decay": 0.1},
-                              {"params": [p for p in parameters if p.dim() <= 1], "weight_decay": 0.0}], lr=lr)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in parameters if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in parameters if p.dim() <= 1], "weight_decay": 0.0},
+        ],
+        lr=lr,
+    )
 
 
 def test_universal_load_keeps_steps_and_groups():
@@ -117,6 +124,7 @@ def test_universal_load_keeps_steps_and_groups():
     group's weight decay: AdamW then advances the shared step once per parameter, and decays biases and norms.
     Mended, each parameter's step is its own (advanced once) and each group decays as it did. The load is DeepSpeed's
     in effect, on this engine's own state (a real universal round trip: test_checkpoints.py)."""
+
     def as_universal_load_leaves_it(ds):
         inner = ds.optimizer.optimizer
         shared = torch.tensor(5.0)
@@ -127,9 +135,12 @@ def test_universal_load_keeps_steps_and_groups():
 
     found = {}
     for without in ((), ("universal_load_keeps_steps_and_groups",)):
-        with engine(3, without=("universal_load_keeps_steps_and_groups", "checkpoints_load_no_code"),
-                    checkpoint={"load_universal": True},
-                    optimizer=decayed_matrices_only) as ds:
+        with engine(
+            3,
+            without=("universal_load_keeps_steps_and_groups", "checkpoints_load_no_code"),
+            checkpoint={"load_universal": True},
+            optimizer=decayed_matrices_only,
+        ) as ds:
             step(ds)
             ds.load_checkpoint = lambda *args, **kwargs: as_universal_load_leaves_it(ds)  # DeepSpeed's own, then
             for entry in mends.MENDS:
@@ -138,8 +149,10 @@ def test_universal_load_keeps_steps_and_groups():
             ds.load_checkpoint("folder", "tag")
             step(ds)
             inner = ds.optimizer.optimizer
-            found[without] = ({float(s["step"]) for s in inner.state.values()},
-                              [g["weight_decay"] for g in inner.param_groups])
+            found[without] = (
+                {float(s["step"]) for s in inner.state.values()},
+                [g["weight_decay"] for g in inner.param_groups],
+            )
     assert found[()] == ({6.0}, [0.1, 0.0])
     steps, decays = found[("universal_load_keeps_steps_and_groups",)]
     assert min(steps) > 6.0 and decays[1] == 0.1
@@ -147,6 +160,7 @@ def test_universal_load_keeps_steps_and_groups():
 
 # ----------------------------------------------------------------------------------------------------
 # The registry: another DeepSpeed, --mends, applying twice, undoing
+
 
 @pytest.mark.usefixtures("fp16_on_this_cpu")
 def test_every_fixs_probe_finds_its_defect_in_the_deepspeed_it_was_written_for():
@@ -168,12 +182,19 @@ def test_another_deepspeed_turns_the_speed_mends_off_and_the_fixes_its_source_st
         mended = mends.mend(ds, "all", lines.append, version="0.19.9")
         try:
             assert mended.applied == ["checkpoints_load_no_code"]  # the one fix that concerns a fp32 ZeRO-3 engine
-            assert set(mended.off) == {"no_nvtx_ranges", "debug_prints_look_first", "zero3_step_in_place",
-                                       "zero3_fetch_alone_without_waiting", "zero3_keeps_parameter_lists",
-                                       "norm_at_once"}
-            assert lines == ["DeepSpeed 0.19.9 is not the 0.19.8 the mends were written for: its own code runs where "
-                             "6 speed mends would apply; on, its defect found: checkpoints_load_no_code "
-                             "(docs/deepspeed-upstream.md)"]
+            assert set(mended.off) == {
+                "no_nvtx_ranges",
+                "debug_prints_look_first",
+                "zero3_step_in_place",
+                "zero3_fetch_alone_without_waiting",
+                "zero3_keeps_parameter_lists",
+                "norm_at_once",
+            }
+            assert lines == [
+                "DeepSpeed 0.19.9 is not the 0.19.8 the mends were written for: its own code runs where "
+                "6 speed mends would apply; on, its defect found: checkpoints_load_no_code "
+                "(docs/deepspeed-upstream.md)"
+            ]
             step(ds)  # trains with DeepSpeed's own code
         finally:
             mended.undo()
@@ -193,8 +214,10 @@ def test_mends_fixes_or_none(choice):
     with engine(2, only=()) as ds:
         mended = mends.mend(ds, choice, lines.append)
         assert mended.applied == (["checkpoints_load_no_code"] if choice == "fixes" else [])
-        assert lines == [f"--mends {choice}: DeepSpeed's own code where {len(mended.off)} mends would apply "
-                         f"({', '.join(mended.off)})"]
+        assert lines == [
+            f"--mends {choice}: DeepSpeed's own code where {len(mended.off)} mends would apply "
+            f"({', '.join(mended.off)})"
+        ]
         assert "norm_at_once" in mended.off and "get_grad_norm_direct" not in vars(ds.optimizer)
         mended.undo()
 

@@ -5,14 +5,28 @@ losses, gradient norms and weights; packed documents see only themselves (the ev
 document's alone); LoRA adapts what it should; the export reloads with stock transformers and generates. One launch
 runs every family's ZeRO-3 run (tests/zero_runs.py). docs/models.md's table is what this finds: the test fails when
 it is out of date, and `UPDATE_DOCS=1` rewrites it."""
+
 import json
 import os
 
 import pytest
 import torch
+from helpers import (
+    FAMILIES,
+    ROOT,
+    assert_close_losses,
+    assert_same_weights,
+    base_args,
+    build,
+    check,
+    cpu_process,
+    independent_loss,
+    launch,
+    load_script,
+    results,
+    weights,
+)
 
-from helpers import (FAMILIES, ROOT, assert_close_losses, assert_same_weights, base_args, build, check, cpu_process,
-                     independent_loss, launch, load_script, results, weights)
 from finetune import hardware, models, training
 
 single = load_script("single-gpu.py")
@@ -21,8 +35,18 @@ LORA_ZERO3 = "qwen3_moe"  # the family also trained with LoRA under ZeRO-3 (its 
 
 def flags(tiny, model, out, **more):
     """Chats (the loss on the answers) packed into blocks of 64: documents longer than the 16-token windows."""
-    return base_args(tiny, out, **{"--model": str(model), "--dataset": tiny["chats"], "--block-size": 64,
-                                   "--weight-decay": 0.1, "--grad-accum": 2, **more})
+    return base_args(
+        tiny,
+        out,
+        **{
+            "--model": str(model),
+            "--dataset": tiny["chats"],
+            "--block-size": 64,
+            "--weight-decay": 0.1,
+            "--grad-accum": 2,
+            **more,
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +65,18 @@ def matrix(tiny, tmp_path_factory):
             build(family, tokenizer, model)
         lora = {"--lora-rank": 4} if name.endswith("+lora") else {}
         single.main(flags(tiny, model, root / name / "one", **{"--batch-size": 4, **lora}))
-        zero_argvs.append(flags(tiny, model, root / name / "two", **{"--batch-size": 2, "--zero-stage": 3, **lora})
-                          + ["--deepspeed"])
-        runs[name] = {"model": model, "one": root / name / "one", "two": root / name / "two",
-                      "argv": flags(tiny, model, root / name / "one", **{"--batch-size": 4})}
+        zero_argvs.append(
+            flags(tiny, model, root / name / "two", **{"--batch-size": 2, "--zero-stage": 3, **lora}) + ["--deepspeed"]
+        )
+        runs[name] = {
+            "model": model,
+            "one": root / name / "one",
+            "two": root / name / "two",
+            "argv": flags(tiny, model, root / name / "one", **{"--batch-size": 4}),
+        }
     (root / "runs.json").write_text(json.dumps(zero_argvs))
     run = check(launch("forked", "tests/zero_runs.py", [str(root / "runs.json")], timeout=900))
-    for name, r in runs.items():
+    for r in runs.values():
         r["stdout"] = run.stdout
     return runs
 
@@ -62,8 +91,11 @@ def test_zero3_on_2_ranks_trains_as_one_process(matrix, name):
     assert_same_weights(weights(matrix[name]["one"] / "final"), weights(matrix[name]["two"] / "final"), atol=1e-4)
     if name.endswith("+lora"):  # the adapters themselves, the experts' among them
         from safetensors.torch import load_file
-        adapters = [load_file(str(matrix[name][run] / "final" / "adapter" / "adapter_model.safetensors"))
-                    for run in ("one", "two")]
+
+        adapters = [
+            load_file(str(matrix[name][run] / "final" / "adapter" / "adapter_model.safetensors"))
+            for run in ("one", "two")
+        ]
         assert_same_weights(*adapters)
         assert any("experts" in key for key in adapters[0]), sorted(adapters[0])
 
@@ -88,8 +120,9 @@ def test_the_export_reloads_with_stock_transformers_and_generates(matrix, name):
     ids = tokenizer("How many stars does this review give?", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert (one(ids).logits - two(ids).logits).abs().max() < 1e-4
-        out = [m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-               for m in (one, two)]
+        out = [
+            m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id) for m in (one, two)
+        ]
     assert out[0].shape[1] > ids.shape[1] and torch.equal(out[0], out[1])
 
 
@@ -107,8 +140,9 @@ def test_the_ranks_route_to_different_experts(matrix, tiny, name):
     first = training.GlobalBatches(len(train), 8, config.train.seed)(0)[:4]  # micro-step 1: 2 rows for each of 2 ranks
     chosen = []
     experts_modules = [m for m in model.modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
-    hooks = [m.register_forward_pre_hook(lambda module, args: chosen[-1].append(args[1].flatten())) for m in
-             experts_modules]
+    hooks = [
+        m.register_forward_pre_hook(lambda module, args: chosen[-1].append(args[1].flatten())) for m in experts_modules
+    ]
     counts = []
     for share in first.view(2, -1):
         chosen.append([])
@@ -153,11 +187,13 @@ def test_lora_all_linear_adapts_attention_mlp_and_experts_never_a_router(matrix,
     linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head}
     if not experts:
         peft_all = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
-        assert set(adapted) == {n.split("base_model.model.", 1)[1] for n, m in peft_all.named_modules()
-                                if hasattr(m, "lora_A")} == linear
+        assert (
+            set(adapted)
+            == {n.split("base_model.model.", 1)[1] for n, m in peft_all.named_modules() if hasattr(m, "lora_A")}
+            == linear
+        )
         return
-    fused = {f"{n}.{p}" for n, m in model.named_modules() for p, w in m.named_parameters(recurse=False)
-             if w.dim() == 3}
+    fused = {f"{n}.{p}" for n, m in model.named_modules() for p, w in m.named_parameters(recurse=False) if w.dim() == 3}
     assert fused and fused <= set(adapted) and linear <= set(adapted), sorted(adapted)
     assert all(shape[0] != experts or len(shape) == 3 for shape in adapted.values()), adapted  # no router
     assert set(adapted) == fused | linear
@@ -184,8 +220,10 @@ def table(matrix):
     """docs/models.md's table: a row per family, from the models and runs of this module."""
     from transformers import AutoModelForCausalLM
 
-    rows = ["| architecture | class (`model_type`) | structure in the test | LoRA `all-linear` adapts | the run says |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| architecture | class (`model_type`) | structure in the test | LoRA `all-linear` adapts | the run says |",
+        "|---|---|---|---|---|",
+    ]
     for name, (_, _, known_as) in FAMILIES.items():
         model = AutoModelForCausalLM.from_pretrained(matrix[name]["model"])  # as the scripts load it on a CPU
         adapted = lora_adapted(matrix[name]["model"], matrix[name]["argv"])
@@ -193,8 +231,10 @@ def table(matrix):
         fused = sorted({n.rsplit(".", 1)[-1] for n, shape in adapted.items() if len(shape) == 3})
         lora = ", ".join(layers) + (f"; each expert's {', '.join(fused)}" if fused else "")
         said = "; ".join(models.notes(model)) or "-"
-        rows.append(f"| {known_as} | `{type(model).__name__}` (`{model.config.model_type}`) | {structure(model.config)}"
-                    f" | {lora} | {said} |")
+        rows.append(
+            f"| {known_as} | `{type(model).__name__}` (`{model.config.model_type}`) | {structure(model.config)}"
+            f" | {lora} | {said} |"
+        )
     return "\n".join(rows)
 
 
@@ -224,9 +264,22 @@ def test_a_mixture_of_experts_under_dpo_starts_at_ln2_with_its_router_noise_off(
     pairs = tmp_path / "pairs.jsonl"
     demo.make_demo_pairs(pairs, n=48, seed=3, style="strings")
     model = build("mixtral", models.load_tokenizer(tiny["model"]), tmp_path / "moe", router_jitter_noise=0.1)
-    single.main(base_args(tiny, tmp_path / "run", **{"--model": str(model), "--dataset": str(pairs), "--block-size": 64,
-                                                     "--lr": 1e-3, "--beta": 0.5, "--max-steps": 8, "--save-every": 0,
-                                                     "--warmup-ratio": 0}))
+    single.main(
+        base_args(
+            tiny,
+            tmp_path / "run",
+            **{
+                "--model": str(model),
+                "--dataset": str(pairs),
+                "--block-size": 64,
+                "--lr": 1e-3,
+                "--beta": 0.5,
+                "--max-steps": 8,
+                "--save-every": 0,
+                "--warmup-ratio": 0,
+            },
+        )
+    )
     r = json.loads((tmp_path / "run" / "results.json").read_text())
     assert r["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     assert r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)

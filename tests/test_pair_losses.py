@@ -2,17 +2,18 @@
 against the published formula written out here independently, in float64, on the same log-probabilities; each
 through the model (the chunked and the plain loss) against the stock model in float64, loss and gradients; each on
 2 ranks under ZeRO-3 as one process; simpo and orpo without a reference pass."""
+
 import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_close_losses, base_args, check, cpu_process, launch, load_script, results, sequences
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune import data, flags, loss, preference
 from finetune.internals import demo
-from helpers import assert_close_losses, base_args, check, cpu_process, launch, load_script, results, sequences
 
 single = load_script("single-gpu.py")
 KINDS = {  # name: the PairLoss (and flags) each is checked with
@@ -56,8 +57,10 @@ def test_each_loss_is_its_published_formula_on_the_same_log_probabilities(kind):
     ours = logps.clone().requires_grad_()
     KINDS[kind].per_pair(ours, reference, lengths).sum().backward()
     theirs = logps.clone().requires_grad_()
-    total = sum(published(kind, theirs[i, 0], theirs[i, 1], reference[i, 0], reference[i, 1], lengths[i, 0],
-                          lengths[i, 1]) for i in range(16))
+    total = sum(
+        published(kind, theirs[i, 0], theirs[i, 1], reference[i, 0], reference[i, 1], lengths[i, 0], lengths[i, 1])
+        for i in range(16)
+    )
     total.backward()
     assert KINDS[kind].per_pair(logps, reference, lengths).sum().item() == pytest.approx(total.item(), rel=1e-12)
     torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-10, atol=1e-12)
@@ -74,8 +77,11 @@ def pairs(tmp_path_factory):
     texts = [" ".join(json.loads(line).values()) for line in open(root / "pairs.jsonl")]
     tokenizer = demo.make_demo_tokenizer(texts + ["### User: ### Assistant:"], vocab_size=1000)
     demo.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=128, seed=0)
-    return {"model": str(root / "model"), "data": str(root / "pairs.jsonl"),
-            "tokenizer": AutoTokenizer.from_pretrained(root / "model")}
+    return {
+        "model": str(root / "model"),
+        "data": str(root / "pairs.jsonl"),
+        "tokenizer": AutoTokenizer.from_pretrained(root / "model"),
+    }
 
 
 @pytest.mark.quick
@@ -83,8 +89,9 @@ def pairs(tmp_path_factory):
 def test_each_loss_through_the_model_is_the_formula_on_the_stock_models_answers(pairs, kind):
     """The summed loss over a split and its gradient through the model, chunked and plain, against the formula on
     each answer's log-probability from the stock model in float64, each sequence alone; TRL's metrics' rewards."""
-    split, _ = data.prepare(flags.defaults(dataset=pairs["data"], block_size=128, max_eval_samples=0).data,
-                            pairs["tokenizer"], seed=0)
+    split, _ = data.prepare(
+        flags.defaults(dataset=pairs["data"], block_size=128, max_eval_samples=0).data, pairs["tokenizer"], seed=0
+    )
     torch.manual_seed(0)
     split = split.with_reference(-60 - 20 * torch.rand(split.pairs_total, 2))
     stock = AutoModelForCausalLM.from_pretrained(pairs["model"], dtype=torch.float64)
@@ -100,8 +107,9 @@ def test_each_loss_through_the_model_is_the_formula_on_the_stock_models_answers(
         expected = expected + published(kind, logp[0], logp[2], ref[0], ref[1], logp[1].double(), logp[3].double())
     expected.backward()
     for chunk in (16, 0):
-        model = loss.CausalLMLoss(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
-                                  chunk, KINDS[kind])
+        model = loss.CausalLMLoss(
+            AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"), chunk, KINDS[kind]
+        )
         preference.without_dropout(model)
         inputs, targets = split.batch(np.arange(len(split)), cpu_process(0, model.config))
         summed = model(inputs, targets)
@@ -117,12 +125,27 @@ def test_each_loss_on_2_ranks_under_zero3_trains_as_one_process(pairs, tmp_path)
     """One launch, a run of each loss (tests/zero_runs.py), 2 ranks x micro-batch 2 x 2 micro-steps against one
     process's 4 x 2: the losses, the gradients' norms and the rewards' margins to 1e-5; simpo and orpo score no
     reference (no reference.pt, no line about it)."""
-    args = lambda kind, out, **more: base_args({"model": pairs["model"], "data": pairs["data"]}, out, **{
-        "--block-size": 128, "--lr": 3e-3, "--warmup-ratio": 0, "--grad-accum": 2, "--save-every": 0,
-        "--preference-loss": KINDS[kind].kind, "--beta": KINDS[kind].beta, "--sft-weight": KINDS[kind].sft_weight,
-        "--label-smoothing": KINDS[kind].label_smoothing, "--simpo-gamma": KINDS[kind].simpo_gamma, **more})
-    argvs = [args(kind, tmp_path / f"two-{kind}", **{"--batch-size": 2, "--zero-stage": 3}) + ["--deepspeed"]
-             for kind in KINDS]
+    args = lambda kind, out, **more: base_args(
+        {"model": pairs["model"], "data": pairs["data"]},
+        out,
+        **{
+            "--block-size": 128,
+            "--lr": 3e-3,
+            "--warmup-ratio": 0,
+            "--grad-accum": 2,
+            "--save-every": 0,
+            "--preference-loss": KINDS[kind].kind,
+            "--beta": KINDS[kind].beta,
+            "--sft-weight": KINDS[kind].sft_weight,
+            "--label-smoothing": KINDS[kind].label_smoothing,
+            "--simpo-gamma": KINDS[kind].simpo_gamma,
+            **more,
+        },
+    )
+    argvs = [
+        args(kind, tmp_path / f"two-{kind}", **{"--batch-size": 2, "--zero-stage": 3}) + ["--deepspeed"]
+        for kind in KINDS
+    ]
     (tmp_path / "runs.json").write_text(json.dumps(argvs))
     run = check(launch("forked", "tests/zero_runs.py", [str(tmp_path / "runs.json")], timeout=900))
     assert run.stdout.count("reference log-probabilities") == 3  # sigmoid, robust, ipo; not simpo nor orpo

@@ -1,14 +1,15 @@
 """plan.py: one accounting for every stage, checked against the bytes of model state each rank really holds (counted
 after a backward pass and after a step, 1 and 2 ranks, fp32 and bf16, two shapes), the recommendation, --json."""
+
 import json
 import sys
 
 import pytest
+from helpers import check, launch
 from transformers import OPTConfig
 
 import plan
 from finetune.internals import memory
-from helpers import check, launch
 
 GB = 1e9
 
@@ -38,8 +39,15 @@ def test_nvme_offload_plans_what_it_keeps_in_cpu_memory():
     0 bytes before). The reference: what tests/memory_probe.py --nvme-path counted on this shape (121M parameters,
     its embedding 103M elements), one rank, DeepSpeed 0.19.8; not run in the suite (it needs libaio and a four-minute
     build of the async I/O op)."""
-    config = OPTConfig(vocab_size=50272, hidden_size=2048, num_hidden_layers=1, ffn_dim=256, num_attention_heads=2,
-                       max_position_embeddings=128, word_embed_proj_dim=2048)
+    config = OPTConfig(
+        vocab_size=50272,
+        hidden_size=2048,
+        num_hidden_layers=1,
+        ffn_dim=256,
+        num_attention_heads=2,
+        max_position_embeddings=128,
+        word_embed_proj_dim=2048,
+    )
     params = plan.parameters(config)
     for precision, counted in (("fp32", 4_981_643_431), ("bf16", 3_459_396_775)):
         planned = plan.model_states(params, 2048, precision, 1, "ZeRO-3 + NVMe offload")
@@ -62,9 +70,24 @@ def test_one_gpu_plans_no_saving_from_sharding():
 
 def plan_args(model, gpus, memory, *extra):
     import argparse
-    p = {"model": model, "gpus": gpus, "nodes": 1, "gpu_memory": memory, "cpu_memory": None, "precision": "bf16",
-         "batch_size": 8, "block_size": 512, "gradient_checkpointing": False, "loss_chunk": 2048, "lora_rank": 0,
-         "lora_targets": "all-linear", "sequence_parallel": 1, "load_in_4bit": False, "load_in_8bit": False}
+
+    p = {
+        "model": model,
+        "gpus": gpus,
+        "nodes": 1,
+        "gpu_memory": memory,
+        "cpu_memory": None,
+        "precision": "bf16",
+        "batch_size": 8,
+        "block_size": 512,
+        "gradient_checkpointing": False,
+        "loss_chunk": 2048,
+        "lora_rank": 0,
+        "lora_targets": "all-linear",
+        "sequence_parallel": 1,
+        "load_in_4bit": False,
+        "load_in_8bit": False,
+    }
     for k, v in extra:
         p[k] = v
     return argparse.Namespace(**p)
@@ -94,16 +117,26 @@ def test_sequence_parallelism_divides_the_activations_and_lengthens_the_longest_
     one = plan.activations(1, 2048, config, "bf16", checkpointing=False, loss_chunk=1024)
     assert plan.activations(1, 8192, config, "bf16", checkpointing=False, loss_chunk=1024, sequence_parallel=4) == one
     assert one == 2048 * memory.layer_bytes(config, "bf16")[0] * 24 + 1024 * 50272 * 6  # 24 layers, one chunk of logits
-    longest = {n: {r["option"]: r["longest_block"] for r in plan.plan(plan_args(
-        "facebook/opt-1.3b", 8, 80, ("sequence_parallel", n), ("batch_size", 1)))[2]} for n in (1, 8)}
+    longest = {
+        n: {
+            r["option"]: r["longest_block"]
+            for r in plan.plan(plan_args("facebook/opt-1.3b", 8, 80, ("sequence_parallel", n), ("batch_size", 1)))[2]
+        }
+        for n in (1, 8)
+    }
     for option, block in longest[1].items():  # the model states stay: a little more than 8x
         assert 8 * block <= longest[8][option] < 8 * (block + 64), option
 
 
 # Peak memory one H100 measured (bench/gpu.sh, 2026-11-27, bf16, 16 x 512 tokens, one GPU; BENCHMARKS.md), GiB
-H100_PEAKS = {("facebook/opt-125m", "ZeRO-0"): 5.06, ("facebook/opt-125m", "ZeRO-2"): 4.32,
-              ("facebook/opt-125m", "ZeRO-3"): 4.57, ("meta-llama/Llama-3.2-1B", "ZeRO-0"): 35.58,
-              ("meta-llama/Llama-3.2-1B", "ZeRO-2"): 33.10, ("meta-llama/Llama-3.2-1B", "ZeRO-3"): 34.88}
+H100_PEAKS = {
+    ("facebook/opt-125m", "ZeRO-0"): 5.06,
+    ("facebook/opt-125m", "ZeRO-2"): 4.32,
+    ("facebook/opt-125m", "ZeRO-3"): 4.57,
+    ("meta-llama/Llama-3.2-1B", "ZeRO-0"): 35.58,
+    ("meta-llama/Llama-3.2-1B", "ZeRO-2"): 33.10,
+    ("meta-llama/Llama-3.2-1B", "ZeRO-3"): 34.88,
+}
 
 
 def test_planned_peaks_are_within_a_tenth_of_what_a_gpu_measured():
@@ -124,19 +157,23 @@ def test_a_layers_activations_are_counted_for_its_family_and_precision():
     OPT's the ReLU's output (2 bytes); eager attention (Gemma 2) keeps T x T probabilities, SDPA none."""
     from transformers import Gemma2Config, LlamaConfig
 
-    llama = lambda width: LlamaConfig(hidden_size=512, intermediate_size=width, num_attention_heads=8,
-                                      num_key_value_heads=2, vocab_size=256)
-    opt = lambda width: OPTConfig(hidden_size=256, ffn_dim=width, num_attention_heads=4, word_embed_proj_dim=256,
-                                  vocab_size=256)
+    llama = lambda width: LlamaConfig(
+        hidden_size=512, intermediate_size=width, num_attention_heads=8, num_key_value_heads=2, vocab_size=256
+    )
+    opt = lambda width: OPTConfig(
+        hidden_size=256, ffn_dim=width, num_attention_heads=4, word_embed_proj_dim=256, vocab_size=256
+    )
     assert memory.layer_bytes(llama(1024), "bf16", autocast=True) == memory.count_layer(llama(1024), "bf16", True, 1)
     assert memory.layer_bytes(opt(1024), "bf16") == memory.count_layer(opt(1024), "bf16", False, 1)
-    per_width = lambda config, *how: (memory.layer_bytes(config(2048), *how)[0]
-                                      - memory.layer_bytes(config(1024), *how)[0]) / 1024
+    per_width = lambda config, *how: (
+        (memory.layer_bytes(config(2048), *how)[0] - memory.layer_bytes(config(1024), *how)[0]) / 1024
+    )
     assert per_width(llama, "bf16") == per_width(llama, "bf16", True) == 8 and per_width(llama, "fp32") == 16
     assert per_width(opt, "bf16") == 2 and per_width(opt, "fp32") == 4
     assert memory.layer_bytes(llama(1024), "bf16")[1] == 0
-    gemma = Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, vocab_size=256)
+    gemma = Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256
+    )
     assert memory.layer_bytes(gemma, "bf16")[1] >= 4 * 2  # per token attended: 4 heads' bf16 probabilities at least
 
 
@@ -144,21 +181,68 @@ def test_a_layers_activations_are_counted_for_its_family_and_precision():
 def test_recommends_the_fastest_option_that_fits(capsys):
     assert plan.main(["--model", "facebook/opt-1.3b", "--gpus", "8", "--gpu-memory", "80"]) == 0
     assert "recommended: ZeRO-0" in capsys.readouterr().out
-    assert plan.main(["--model", "facebook/opt-6.7b", "--gpus", "1", "--gpu-memory", "80", "--batch-size", "4",
-                      "--gradient-checkpointing"]) == 0
+    assert (
+        plan.main(
+            [
+                "--model",
+                "facebook/opt-6.7b",
+                "--gpus",
+                "1",
+                "--gpu-memory",
+                "80",
+                "--batch-size",
+                "4",
+                "--gradient-checkpointing",
+            ]
+        )
+        == 0
+    )
     assert "recommended: ZeRO-2 + CPU offload" in capsys.readouterr().out
-    assert plan.main(["--model", "facebook/opt-6.7b", "--gpus", "1", "--gpu-memory", "24", "--lora-rank", "16",
-                      "--gradient-checkpointing", "--batch-size", "4"]) == 0
+    assert (
+        plan.main(
+            [
+                "--model",
+                "facebook/opt-6.7b",
+                "--gpus",
+                "1",
+                "--gpu-memory",
+                "24",
+                "--lora-rank",
+                "16",
+                "--gradient-checkpointing",
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "LoRA rank 16" in out and "recommended: ZeRO-0 (single-gpu.py on one GPU)" in out
-    assert plan.main(["--model", "facebook/opt-6.7b", "--gpus", "1", "--gpu-memory", "80", "--cpu-memory", "64",
-                      "--batch-size", "4", "--gradient-checkpointing"]) in (0, 1)
+    assert plan.main(
+        [
+            "--model",
+            "facebook/opt-6.7b",
+            "--gpus",
+            "1",
+            "--gpu-memory",
+            "80",
+            "--cpu-memory",
+            "64",
+            "--batch-size",
+            "4",
+            "--gradient-checkpointing",
+        ]
+    ) in (0, 1)
 
 
 @pytest.mark.quick
 def test_json(capsys):
-    assert plan.main(["--model", "facebook/opt-125m", "--gpus", "2", "--gpu-memory", "24", "--precision", "fp32",
-                      "--json"]) == 0
+    assert (
+        plan.main(
+            ["--model", "facebook/opt-125m", "--gpus", "2", "--gpu-memory", "24", "--precision", "fp32", "--json"]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["parameters"] == 125_239_296 and out["recommended"] == "ZeRO-0"
     assert set(out["options"]) == set(plan.OPTIONS) and "ZeRO-2 + NVMe offload" not in out["options"]
@@ -179,12 +263,20 @@ def test_bad_input(tiny):
 def counted(tmp_path_factory):
     """memory_probe.py on 2 ranks and on 1: a small and a mid-size OPT, every option, fp32 and bf16."""
     from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp("probe")
     models = []
     for name, (hidden, layers, vocab) in {"small": (64, 2, 512), "mid": (256, 4, 4096)}.items():
-        config = OPTConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, ffn_dim=4 * hidden,
-                           num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=hidden,
-                           dropout=0.0)
+        config = OPTConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            ffn_dim=4 * hidden,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=hidden,
+            dropout=0.0,
+        )
         AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
         models.append(str(root / name))
     rows = []

@@ -1,62 +1,36 @@
 """Preference pairs (DPO): the formats found from the columns, a pair packed whole, the truncation rule, bad input; the
 loss and its gradient against the DPO formula computed with stock transformers in float64; packed = unpacked; ZeRO
 0-3 (and LoRA under ZeRO-3) on 2 ranks = one process; resume exact, from the reference kept with the run."""
+
 import json
 import re
-import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from dpo_pairs import data_args, independent_dpo
+from helpers import (
+    cpu_process,
+    load_script,
+    sequences,
+)
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, check, cpu_process,
-                     crash_after_first_checkpoint, launch, load_script, results, sequences, weights)
-from finetune import blocks, data, flags, loss, preference, training
+from finetune import blocks, data, loss, preference
 from finetune.internals import demo
-
-single = load_script("single-gpu.py")
-BLOCK = 128
-
-
-@pytest.fixture(scope="module")
-def pairs(tiny, tmp_path_factory):
-    """48 generated pairs in each format, and a tiny OPT (dropout 0.1: DPO turns it off) with a tokenizer of their
-    words: a pair is 46-64 tokens, two or three a block."""
-    root = tmp_path_factory.mktemp("pairs")
-    files = {}
-    for style in ("strings", "messages", "implicit"):
-        files[style] = root / f"{style}.jsonl"
-        demo.make_demo_pairs(files[style], n=48, seed=3, style=style)
-    texts = [" ".join(json.loads(line).values()) for line in open(files["strings"])]
-    tokenizer = demo.make_demo_tokenizer(texts + ["### User: ### Assistant:"], vocab_size=1000)
-    demo.make_demo_lm(root / "model", tokenizer, hidden=32, layers=2, heads=2, positions=BLOCK, seed=0)
-    config = json.loads((root / "model" / "config.json").read_text())
-    (root / "model" / "config.json").write_text(json.dumps({**config, "dropout": 0.1, "attention_dropout": 0.1}))
-    tokenizer = AutoTokenizer.from_pretrained(root / "model")
-    return {"model": str(root / "model"), "tokenizer": tokenizer, **{k: str(v) for k, v in files.items()}}
-
-
-def dpo_args(pairs, out, **overrides):
-    return base_args({"model": pairs["model"], "data": pairs["strings"]}, out, **{
-        "--block-size": BLOCK, "--batch-size": 4, "--lr": 3e-3, "--beta": 0.5, "--warmup-ratio": 0, **overrides})
-
-
-def data_args(path, **kw):
-    return flags.defaults(**{"dataset": str(path), "seed": 0, "block_size": BLOCK, "max_eval_samples": 0, **kw}).data
-
 
 # ----------------------------------------------------------------------------------------------------
 # Formats, packing, truncation, bad input (in process)
 
+
 @pytest.mark.quick
 def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs):
     tok = pairs["tokenizer"]
-    prepared = {style: data.prepare(data_args(pairs[style]), tok, seed=0)
-                for style in ("strings", "messages", "implicit")}
+    prepared = {
+        style: data.prepare(data_args(pairs[style]), tok, seed=0) for style in ("strings", "messages", "implicit")
+    }
     for style, (train, evals) in prepared.items():
         assert train.format == "preference" and train.pairs_total + evals.pairs_total == 48, style
         assert train.predicted.sum() == train.pairs_total and train.cut == 0  # counts are of pairs; none cut
@@ -91,8 +65,9 @@ def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs)
     assert sequences(prepared["implicit"][0]) == sequences(prepared["messages"][0])
     assert sequences(prepared["implicit"][1]) == sequences(prepared["messages"][1])
     c, cm, r, rm = sequences(prepared["messages"][0])[0]
-    assert tok.decode([t for t, m in zip(c, cm) if m]).strip() in {demo.answer(k, q) + tok.eos_token
-                                                                   for k in range(5) for q in range(2)}
+    assert tok.decode([t for t, m in zip(c, cm) if m]).strip() in {
+        demo.answer(k, q) + tok.eos_token for k in range(5) for q in range(2)
+    }
 
 
 @pytest.mark.quick
@@ -133,8 +108,9 @@ def test_long_prompts_keep_their_first_tokens(pairs, tmp_path):
     tok = pairs["tokenizer"]
     prompts = [f"Q{i} " + " ".join(["the"] * 299) for i in range(8)]
     path = tmp_path / "long.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p, "chosen": " was" * 300, "rejected": " good" * 300}) + "\n"
-                            for p in prompts))
+    path.write_text(
+        "".join(json.dumps({"prompt": p, "chosen": " was" * 300, "rejected": " good" * 300}) + "\n" for p in prompts)
+    )
     whole = {tuple(tok(p)["input_ids"]) for p in prompts}
     for packing in ("isolated", "none"):
         train = data.prepare(data_args(path, block_size=512, packing=packing, eval_dataset=str(path)), tok, seed=0)[0]
@@ -143,7 +119,7 @@ def test_long_prompts_keep_their_first_tokens(pairs, tmp_path):
         assert len(found) == 8
         for chosen, chosen_flags, rejected, _ in found:
             prompt = tuple(t for t, f in zip(chosen, chosen_flags) if not f)
-            assert prompt in whole and rejected[:len(prompt)] == list(prompt)
+            assert prompt in whole and rejected[: len(prompt)] == list(prompt)
             assert len(chosen) - len(prompt) >= preference.ANSWER_FLOOR
 
 
@@ -155,8 +131,16 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, sliding_window=3, attn_implementation="sdpa")
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=3,
+        attn_implementation="sdpa",
+    )
     model = MistralForCausalLM(config).eval()
     prompt, a, b = [5, 6, 7, 8, 9, 10], [30, 31, 32, 33], [40, 41]
     ids, flags = preference.pair_document((prompt + a, [0] * 6 + [1] * 4), (prompt + b, [0] * 6 + [1] * 2), True)
@@ -173,17 +157,32 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("rows, flags, message", [
-    ([{"prompt": "a", "chosen": "", "rejected": " b"}], {}, "trained on: 7 skipped (the chosen answer is empty)"),
-    ([{"prompt": "a", "chosen": " b", "rejected": " b"}], {}, "7 skipped (chosen and rejected are the same"),
-    ([{"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "assistant", "content": "b"}],
-       "rejected": [{"role": "user", "content": "c"}]}], {}, "the last turn of rejected is the user's"),
-    ([{"chosen": "The answer is 4", "rejected": 5}], {}, "not both strings or both lists"),
-    ([{"prompt": "a long prompt here", "chosen": " b", "rejected": " c"}], {"block_size": 3},
-     "7 dropped (longer than --block-size 3 with 16 prompt tokens and 16 of each answer)"),
-    ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"packing": "stream"}, "drop --packing stream"),
-    ([{"prompt": "a", "chosen": " b"}], {}, "'rejected'"),  # a column missing
-])
+@pytest.mark.parametrize(
+    "rows, flags, message",
+    [
+        ([{"prompt": "a", "chosen": "", "rejected": " b"}], {}, "trained on: 7 skipped (the chosen answer is empty)"),
+        ([{"prompt": "a", "chosen": " b", "rejected": " b"}], {}, "7 skipped (chosen and rejected are the same"),
+        (
+            [
+                {
+                    "prompt": [{"role": "user", "content": "a"}],
+                    "chosen": [{"role": "assistant", "content": "b"}],
+                    "rejected": [{"role": "user", "content": "c"}],
+                }
+            ],
+            {},
+            "the last turn of rejected is the user's",
+        ),
+        ([{"chosen": "The answer is 4", "rejected": 5}], {}, "not both strings or both lists"),
+        (
+            [{"prompt": "a long prompt here", "chosen": " b", "rejected": " c"}],
+            {"block_size": 3},
+            "7 dropped (longer than --block-size 3 with 16 prompt tokens and 16 of each answer)",
+        ),
+        ([{"prompt": "a", "chosen": " b", "rejected": " c"}], {"packing": "stream"}, "drop --packing stream"),
+        ([{"prompt": "a", "chosen": " b"}], {}, "'rejected'"),  # a column missing
+    ],
+)
 def test_a_file_with_no_usable_pair_is_one_line_and_nothing_is_prepared(pairs, tmp_path, rows, flags, message):
     """A bad pair is skipped and counted (next test); a file where no pair can be trained on is one line."""
     path = tmp_path / "bad.jsonl"
@@ -201,14 +200,18 @@ def test_bad_pairs_are_skipped_and_counted_and_the_rest_train(pairs, tmp_path):
     prompt then leaves one answer empty): skipped and said at start, the others prepared (before: the whole run
     stopped on the first)."""
     good = [json.loads(line) for line in open(pairs["strings"])][:8]
-    bad = [{"prompt": "a", "chosen": "", "rejected": " b"}, {"prompt": "a", "chosen": " b", "rejected": " b"},
-           {"chosen": "The answer is 4", "rejected": "The answer is 4 or 5"}]
+    bad = [
+        {"prompt": "a", "chosen": "", "rejected": " b"},
+        {"prompt": "a", "chosen": " b", "rejected": " b"},
+        {"chosen": "The answer is 4", "rejected": "The answer is 4 or 5"},
+    ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
     train = data.prepare(data_args(path, eval_dataset=str(pairs["strings"])), pairs["tokenizer"], seed=0)[0]
     assert train.pairs_total == 8
     assert "; 3 skipped (2: the chosen answer is empty; 1: chosen and rejected are the same" in train.describe(
-        "isolated")
+        "isolated"
+    )
 
 
 @pytest.mark.quick
@@ -223,20 +226,6 @@ def test_sequence_parallelism_is_refused_with_pairs(pairs, tmp_path):
 # ----------------------------------------------------------------------------------------------------
 # The loss: against the formula, packed = unpacked, chunked = plain
 
-def independent_dpo(model, split, pair_ids, reference, beta):
-    """mean over the pairs of -log sigmoid(beta ((c - c_ref) - (r - r_ref))), each sequence alone through the
-    model given (stock transformers), its answer's log-probability summed in float64."""
-    seqs, total = sequences(split), 0
-    for i in pair_ids:
-        logps = []
-        for ids, mask in (seqs[i][:2], seqs[i][2:]):
-            logits = model(torch.tensor([ids])).logits[0, :-1].double()
-            carries = torch.tensor(mask[1:]) > 0
-            logps.append(-F.cross_entropy(logits[carries], torch.tensor(ids[1:])[carries], reduction="sum"))
-        ref = reference[i].double()
-        total = total - F.logsigmoid(beta * ((logps[0] - ref[0]) - (logps[1] - ref[1])))
-    return total / len(pair_ids)
-
 
 @pytest.mark.quick
 def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not(pairs):
@@ -250,8 +239,11 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
         torch.manual_seed(0)
         train = train.with_reference(-60 - 20 * torch.rand(train.pairs_total, 2))
         for chunk in (16, 0):
-            model = loss.CausalLMLoss(AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
-                                      chunk, loss.PairLoss(beta=0.5))
+            model = loss.CausalLMLoss(
+                AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
+                chunk,
+                loss.PairLoss(beta=0.5),
+            )
             preference.without_dropout(model)
             blocks_all = np.arange(len(train))
             inputs, targets = train.batch(blocks_all, cpu_process(tok.pad_token_id, model.config))
@@ -266,7 +258,7 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
     expected = independent_dpo(stock, train, ids, train.reference, 0.5)
     expected.backward()
     assert expected.item() > 0.8  # far from ln 2: the reference is not the model's
-    for key, (value, grads, metrics) in results_by.items():
+    for key, (value, grads, _) in results_by.items():
         assert value == pytest.approx(expected.item(), rel=1e-5), key
         for k, p in stock.named_parameters():
             err = (grads[k].double() - p.grad).abs().max()  # (the keys' bias: no gradient, but rounding)
@@ -278,14 +270,30 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
             ids, carries = torch.tensor(s[2 * j][1:]), torch.tensor(s[1 + 2 * j][1:]) > 0
             logits = stock(torch.tensor([s[2 * j]])).logits[0, :-1][carries]
             logp.append(-F.cross_entropy(logits, ids[carries], reduction="sum").item())
-            answers[j].append(torch.stack([logits.mean(-1), (logits.argmax(-1) == ids[carries]).double(),
-                                           torch.distributions.Categorical(logits=logits).entropy()]))
+            answers[j].append(
+                torch.stack(
+                    [
+                        logits.mean(-1),
+                        (logits.argmax(-1) == ids[carries]).double(),
+                        torch.distributions.Categorical(logits=logits).entropy(),
+                    ]
+                )
+            )
     logp = torch.tensor(logp, dtype=torch.float64).view(-1, 2)
     rewards = 0.5 * (logp - train.reference.double())
     chosen, rejected = (torch.cat(a, 1) for a in answers)
-    expected = [rewards[:, 0].mean(), rewards[:, 1].mean(), (rewards[:, 0] > rewards[:, 1]).double().mean(),
-                (rewards[:, 0] - rewards[:, 1]).mean(), logp[:, 0].mean(), logp[:, 1].mean(), chosen[0].mean(),
-                rejected[0].mean(), chosen[1].mean(), torch.cat([chosen[2], rejected[2]]).mean()]
+    expected = [
+        rewards[:, 0].mean(),
+        rewards[:, 1].mean(),
+        (rewards[:, 0] > rewards[:, 1]).double().mean(),
+        (rewards[:, 0] - rewards[:, 1]).mean(),
+        logp[:, 0].mean(),
+        logp[:, 1].mean(),
+        chosen[0].mean(),
+        rejected[0].mean(),
+        chosen[1].mean(),
+        torch.cat([chosen[2], rejected[2]]).mean(),
+    ]
     assert rejected[0].mean() != chosen[0].mean() and chosen[2].mean() > 1  # numbers that can be wrong
     for key, (_, _, metrics) in results_by.items():
         assert list(metrics) == list(preference.METRICS)
@@ -294,144 +302,3 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
 
 # ----------------------------------------------------------------------------------------------------
 # Runs: the first step, ZeRO on 2 ranks, resume
-
-@pytest.fixture(scope="module")
-def one_process(pairs, tmp_path_factory):
-    """single-gpu.py on the pairs, 4 steps of 8 pairs (4 x 2 micro-steps), a checkpoint at step 2, an eval at 2 and
-    4; flags -> run folder, each run once."""
-    runs = {}
-
-    def run(**flags):
-        key = tuple(sorted(flags.items()))
-        if key not in runs:
-            out = tmp_path_factory.mktemp("dpo-one")
-            single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--eval-every": 2, **flags}))
-            runs[key] = out
-        return runs[key]
-    return run
-
-
-def test_the_first_step_is_ln2_with_the_formulas_gradient_and_the_reference_is_kept(pairs, one_process):
-    out = one_process()
-    r = results(out)
-    assert r["losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # the model is its own reference at step 1
-    assert r["rewards/chosen"][0] == pytest.approx(0, abs=1e-6)
-    assert r["rewards/margins"][0] == pytest.approx(0, abs=1e-6)
-    assert r["losses"][-1] < r["losses"][1] and r["rewards/margins"][-1] > 0  # it learns to prefer the chosen
-    # the gradient of step 1 against the formula's, with stock transformers in float64 on the loaded model
-    config = single.parse_args(dpo_args(pairs, out))
-    train = data.prepare(config.data, pairs["tokenizer"], seed=config.train.seed)[0]
-    first = training.GlobalBatches(len(train), 8, 42)(0).numpy()
-    ids = train.pair_ids(first)
-    stock = AutoModelForCausalLM.from_pretrained(pairs["model"], dtype=torch.float64).eval()
-    with torch.no_grad():
-        reference = torch.stack([torch.stack(_logps(stock, s)) for s in sequences(train)])
-    saved = torch.load(out / "reference.pt")
-    assert torch.allclose(saved["train"], reference, atol=1e-4, rtol=0)  # what the pass kept, fp32 to float64
-    value = independent_dpo(stock, train, ids, reference, 0.5)
-    value.backward()
-    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in stock.parameters())).item()
-    assert value.item() == pytest.approx(math.log(2), abs=1e-12)
-    assert r["grad_norms"][0] == pytest.approx(norm, rel=1e-5)
-    assert r["logps/chosen"][0] == pytest.approx(reference[ids, 0].mean().item(), rel=1e-5)
-    assert r["evals"][0][0] == 2 and r["best_step"] in (2, 4) and len(r["rewards/accuracies"]) == 4
-
-
-def _logps(model, seq):
-    out = []
-    for ids, mask in (seq[:2], seq[2:]):
-        logits = model(torch.tensor([ids])).logits[0, :-1]
-        out.append((-F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none") * torch.tensor(mask[1:])).sum())
-    return out
-
-
-def test_resume_reads_the_kept_reference_and_continues_exactly(pairs, one_process, tmp_path, capsys):
-    whole = one_process()
-    out = tmp_path / "run"
-    shutil.copytree(whole, out)
-    crash_after_first_checkpoint(out)
-    kept = (out / "reference.pt").stat().st_mtime_ns
-    capsys.readouterr()
-    single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--eval-every": 2, "--resume": None}) + ["--resume"])
-    assert "reference log-probabilities" not in capsys.readouterr().out  # read, not computed again
-    assert_resumed(out)
-    assert (out / "reference.pt").stat().st_mtime_ns == kept
-    a, b = results(whole), results(out)
-    assert a["losses"] == b["losses"] and a["rewards/margins"] == b["rewards/margins"]
-    assert_same_weights(weights(whole / "final"), weights(out / "final"), atol=0)
-    crash_after_first_checkpoint(out)
-    # the reference is fingerprinted: a resume whose inputs would score it otherwise refuses (the counts agree here)
-    with pytest.raises(SystemExit, match=r"reference.pt was scored with another --precision than this run's: its "
-                                         r"log-probabilities would be wrong"):
-        single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--resume": None, "--precision": "bf16"}) + ["--resume"])
-    made_of = json.loads(torch.load(out / "reference.pt")["made_of"])
-    key = made_of["pairs"][0].split("/")[0]  # the prepared data's key: its cache folder
-    assert made_of == {"pairs": [f"{key}/train", f"{key}/eval"], "model": "model", "lora_rank": 0, "base": "",
-                       "precision": "fp32"} and (Path(data_args(pairs["strings"]).cache_dir) / key).is_dir()
-    (out / "reference.pt").unlink()
-    with pytest.raises(SystemExit, match="reference.pt is missing"):
-        single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--resume": None}) + ["--resume"])
-    # a run started over never takes an earlier run's reference: with one of zeros left there, step 1 is still ln 2
-    torch.save({"train": torch.zeros(46, 2, dtype=torch.float64), "eval": torch.zeros(2, 2, dtype=torch.float64)},
-               out / "reference.pt")
-    single.main(dpo_args(pairs, out, **{"--grad-accum": 2, "--max-steps": 1, "--overwrite": None}) + ["--overwrite"])
-    assert results(out)["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
-
-
-def test_bf16_lora_and_the_best_checkpoint_with_pairs(pairs, tmp_path, capsys):
-    """bf16 autocast, LoRA and --final best: the first step is ln 2 to bf16's rounding, final/ is the best step's
-    merged model (stock transformers loads it) beside its adapter, and the sample answers a held-out pair's prompt."""
-    out = tmp_path / "run"
-    single.main(dpo_args(pairs, out, **{"--precision": "bf16", "--lora-rank": 4, "--lora-alpha": 8, "--lr": 1e-2,
-                                        "--max-steps": 4, "--eval-every": 2, "--final": "best", "--prompt": "x"}))
-    r = results(out)
-    assert r["losses"][0] == pytest.approx(math.log(2), abs=2e-3) and r["precision"] == "bf16"
-    assert r["final_step"] == r["best_step"] == min(r["evals"], key=lambda e: e[1])[0]
-    assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
-    AutoModelForCausalLM.from_pretrained(out / "final")
-    assert "sample: 'Review:" in capsys.readouterr().out and r["sample"] is not None  # a held-out pair's prompt
-
-
-def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process, tmp_path):
-    """One launch, five runs (tests/zero_runs.py): 2 ranks x micro-batch 2 x 2 micro-steps, the global batch of one
-    process's 4 x 2. Folded in: two rows a pair (ZeRO-0), the plain loss (ZeRO-1), an eval after every step (ZeRO-2),
-    gradient checkpointing (ZeRO-3), LoRA under ZeRO-3."""
-    lora = {"--lora-rank": 4, "--lora-alpha": 8, "--lr": 1e-2}
-    cases = {0: {"--packing": "none"}, 1: {"--loss-chunk": 0}, 2: {"--eval-every": 1}, 3: {}, "lora": lora}
-    argvs = []
-    for stage, given in cases.items():
-        extra = ["--gradient-checkpointing"] if stage == 3 else []
-        argvs.append(dpo_args(pairs, tmp_path / f"zero-{stage}", **{
-            "--batch-size": 2, "--grad-accum": 2, "--eval-every": 2, "--zero-stage": 3 if stage == "lora" else stage,
-            **given}) + ["--deepspeed", *extra])
-    (tmp_path / "runs.json").write_text(json.dumps(argvs))
-    check(launch("forked", "tests/zero_runs.py", [str(tmp_path / "runs.json")], timeout=900))
-    for stage, given in cases.items():
-        one = one_process(**{k: v for k, v in given.items() if k in ("--packing", "--lora-rank", "--lora-alpha",
-                                                                       "--lr")})
-        a, b = results(one), results(tmp_path / f"zero-{stage}")
-        assert b["world_size"] == 2 and b["global_batch_size"] == 8, stage
-        assert_close_losses(a["losses"], b["losses"])
-        assert_close_losses(a["grad_norms"], b["grad_norms"])
-        assert_close_losses(a["rewards/margins"][1:], b["rewards/margins"][1:], rtol=1e-4)
-        assert b["evals"][-1][1] == pytest.approx(a["evals"][-1][1], rel=1e-5)
-        assert_same_weights(weights(one / "final"), weights(tmp_path / f"zero-{stage}" / "final"), atol=1e-4)
-    # resumed on 2 ranks from the ZeRO-2 run's step 2: rank 0 reads the kept reference and sends it to the other
-    whole, out = tmp_path / "zero-2", tmp_path / "resumed"
-    shutil.copytree(whole, out)
-    crash_after_first_checkpoint(out)
-    argv = [a.replace(str(whole), str(out)) for a in argvs[2]] + ["--resume"]
-    run = check(launch("forked", "zero-optimization.py", argv))
-    assert "reference log-probabilities" not in run.stdout
-    assert_resumed(out)
-    assert results(out)["losses"] == results(whole)["losses"]
-    assert results(out)["rewards/margins"] == results(whole)["rewards/margins"]
-
-
-def test_pairs_take_a_dpo_learning_rate_unless_one_is_given(pairs, tmp_path, capsys):
-    """--lr's default is the data's (TRL's DPO default for pairs, 5e-6 with LoRA); the start line says which."""
-    cases = [(None, "preference", 0), (None, "preference", 16), (None, "messages", 0), (None, "text", 16),
-             (3e-4, "preference", 0)]
-    assert [preference.learning_rate(*case) for case in cases] == [1e-6, 5e-6, 5e-5, 5e-5, 3e-4]
-    single.main(dpo_args(pairs, tmp_path / "run", **{"--lr": None, "--max-steps": 1, "--save-every": 0}))
-    assert " | lr 1e-06 | fp32 | cpu" in capsys.readouterr().out

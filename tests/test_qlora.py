@@ -2,25 +2,43 @@
 those of the same model with the base rounded to NF4 and back, computed with stock transformers, peft and
 bitsandbytes' own functions; ZeRO-3 (offload, checkpointing) on 2 ranks gives the one process's run; an eval between
 steps changes nothing (bitsandbytes' CPU repack would); the export is a plain model; resume; plan = counted bytes."""
+
 import json
 import math
 import sys
 
 import pytest
 import torch
+from helpers import (
+    assert_close_losses,
+    assert_resumed,
+    base_args,
+    check,
+    crash_after_first_checkpoint,
+    documents_loss,
+    launch,
+    load_script,
+    results,
+    weights,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import plan
-from helpers import (assert_close_losses, assert_resumed, base_args, check, crash_after_first_checkpoint,
-                     documents_loss, launch, load_script, results, weights)
 from finetune import quantization, training
 from finetune.internals import demo
 
 single = load_script("single-gpu.py")
 # bitsandbytes packs 4-bit weights in blocks of 64 inputs: a model 64 wide (the tiny one is 32)
-QLORA = {"--lora-rank": 8, "--lora-alpha": 16, "--lr": 5e-3, "--load-in-4bit": "", "--block-size": 64,
-         "--batch-size": 4, "--grad-accum": 2}
+QLORA = {
+    "--lora-rank": 8,
+    "--lora-alpha": 16,
+    "--lr": 5e-3,
+    "--load-in-4bit": "",
+    "--block-size": 64,
+    "--batch-size": 4,
+    "--grad-accum": 2,
+}
 
 
 def qlora_args(model, tiny, out, **more):
@@ -31,8 +49,9 @@ def qlora_args(model, tiny, out, **more):
 @pytest.fixture(scope="module")
 def wide(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("wide") / "model"
-    demo.make_demo_lm(folder, single.models.load_tokenizer(tiny["model"]), hidden=64, layers=2, heads=2,
-                      positions=64, seed=0)
+    demo.make_demo_lm(
+        folder, single.models.load_tokenizer(tiny["model"]), hidden=64, layers=2, heads=2, positions=64, seed=0
+    )
     return str(folder)
 
 
@@ -66,15 +85,17 @@ def test_the_gradients_are_those_of_the_dequantized_base(tiny, wide, qlora):
     r = results(qlora)
     argv = qlora_args(wide, tiny, qlora)
     torch.manual_seed(42)  # the run's --seed, before the adapters are made
-    model = get_peft_model(nf4_round_trip(wide, torch.float32), LoraConfig(
-        r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")).double()
+    model = get_peft_model(
+        nf4_round_trip(wide, torch.float32),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"),
+    ).double()
     config = single.parse_args(argv)
     train = single.data.prepare(config.data, single.models.load_tokenizer(wide), seed=config.train.seed)[0]
     first = training.GlobalBatches(len(train), 8, 42)(0)
     total, _ = documents_loss(model, argv, "train", first.tolist())
     loss = total / int(train.predicted[first].sum())
     loss.backward()
-    norm = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters() if p.grad is not None)).item()
+    norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None)).item()
     assert abs(r["losses"][0] - loss.item()) < 1e-6 * loss.item()
     assert abs(r["grad_norms"][0] - norm) < 1e-5 * norm, (r["grad_norms"][0], norm)
     assert r["losses"][-1] < r["losses"][0] - 0.05
@@ -122,15 +143,13 @@ def test_zero3_on_two_ranks_gives_the_one_process_run(tiny, wide, qlora, tmp_pat
     adapters of the one process that evaluated after every step; also resumed on one rank (the quantized layers keep
     the base they were loaded with). Each run's model states as plan.py plans them."""
     out = tmp_path / "run"
-    argv = qlora_args(wide, tiny, out, **{"--batch-size": 2, "--zero-stage": 3, "--offload": "cpu",
-                                          "--eval-every": 0})
+    argv = qlora_args(wide, tiny, out, **{"--batch-size": 2, "--zero-stage": 3, "--offload": "cpu", "--eval-every": 0})
     check(launch("forked", "zero-optimization.py", argv + ["--deepspeed", "--gradient-checkpointing"]))
     mine, ref = results(out), results(qlora)
     for resumed in (False, True):  # then resumed on one rank, from the universal form of step 2's checkpoint
         if resumed:
             crash_after_first_checkpoint(out)
-            check(launch("forked-python", "zero-optimization.py", argv + ["--deepspeed", "--batch-size=4",
-                                                                          "--resume"]))
+            check(launch("forked-python", "zero-optimization.py", argv + ["--deepspeed", "--batch-size=4", "--resume"]))
             assert_resumed(out)
         assert_close_losses(ref["losses"], results(out)["losses"])
         assert_close_losses(ref["grad_norms"], results(out)["grad_norms"])
@@ -147,10 +166,24 @@ def test_zero3_on_two_ranks_gives_the_one_process_run(tiny, wide, qlora, tmp_pat
 
 def plan_args(model, gpus, **flags):
     import argparse
-    values = {"model": model, "gpus": gpus, "nodes": 1, "gpu_memory": 80, "cpu_memory": None, "precision": "bf16",
-              "batch_size": 1, "block_size": 2048, "gradient_checkpointing": True, "loss_chunk": 1024,
-              "lora_rank": 16, "lora_targets": "all-linear", "sequence_parallel": 1, "load_in_4bit": False,
-              "load_in_8bit": False}
+
+    values = {
+        "model": model,
+        "gpus": gpus,
+        "nodes": 1,
+        "gpu_memory": 80,
+        "cpu_memory": None,
+        "precision": "bf16",
+        "batch_size": 1,
+        "block_size": 2048,
+        "gradient_checkpointing": True,
+        "loss_chunk": 1024,
+        "lora_rank": 16,
+        "lora_targets": "all-linear",
+        "sequence_parallel": 1,
+        "load_in_4bit": False,
+        "load_in_8bit": False,
+    }
     return argparse.Namespace(**{**values, **flags})
 
 
@@ -186,17 +219,28 @@ def test_the_plan_of_a_4_bit_base(tmp_path):
     from transformers import LlamaConfig
 
     for shape in ((4096, 4096), (14336, 4096), (128, 96)):
-        packed, state = F.quantize_4bit(torch.randn(shape, dtype=torch.bfloat16), quant_type="nf4",
-                                        compress_statistics=True, quant_storage=torch.bfloat16)
+        packed, state = F.quantize_4bit(
+            torch.randn(shape, dtype=torch.bfloat16),
+            quant_type="nf4",
+            compress_statistics=True,
+            quant_storage=torch.bfloat16,
+        )
         stored = [packed, state.absmax, state.code, state.offset, state.state2.absmax, state.state2.code]
         n = shape[0] * shape[1]
         assert sum(t.numel() * t.element_size() for t in stored) == quantization.stored_bytes(n, 4, storage=2)
     llama = {"num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192}
     for name, (hidden, layers, ffn) in {"8b": (4096, 32, 14336), "70b": (8192, 80, 28672)}.items():
-        LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=ffn,
-                    **{**llama, "num_attention_heads": hidden // 128}).save_pretrained(tmp_path / name)
-    fits = lambda model, gpus, memory, **q: [row["option"] for row in plan.plan(plan_args(
-        str(tmp_path / model), gpus, gpu_memory=memory, **q))[2] if row["fits"]]
+        LlamaConfig(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            intermediate_size=ffn,
+            **{**llama, "num_attention_heads": hidden // 128},
+        ).save_pretrained(tmp_path / name)
+    fits = lambda model, gpus, memory, **q: [
+        row["option"]
+        for row in plan.plan(plan_args(str(tmp_path / model), gpus, gpu_memory=memory, **q))[2]
+        if row["fits"]
+    ]
     assert "ZeRO-0" in fits("8b", 1, 24, load_in_4bit=True)
     assert "ZeRO-0" not in fits("8b", 1, 16) and "ZeRO-0" in fits("8b", 1, 16, load_in_4bit=True)
     assert "ZeRO-3" in fits("70b", 2, 80, load_in_4bit=True)
@@ -233,9 +277,21 @@ def test_dpo_over_a_4_bit_base_starts_at_ln_2_and_an_eval_between_steps_changes_
     runs = {}
     for every in (1, 0):
         out = tmp_path / f"eval-every-{every}"
-        runs[every] = single.main(qlora_args(wide, tiny, out, **{
-            "--dataset": str(pairs), "--lr": 1e-3, "--beta": 0.5, "--max-steps": 4, "--eval-every": every,
-            "--warmup-ratio": 0}))
+        runs[every] = single.main(
+            qlora_args(
+                wide,
+                tiny,
+                out,
+                **{
+                    "--dataset": str(pairs),
+                    "--lr": 1e-3,
+                    "--beta": 0.5,
+                    "--max-steps": 4,
+                    "--eval-every": every,
+                    "--warmup-ratio": 0,
+                },
+            )
+        )
     assert runs[1]["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     assert all(loss < math.log(2) for _, loss in runs[1]["evals"])  # the held-out pairs: the adapters learned
     assert runs[1]["losses"] == runs[0]["losses"] and runs[1]["rewards/accuracies"] == runs[0]["rewards/accuracies"]

@@ -1,5 +1,6 @@
 """Crashes, signals and hangs under the real launchers: a killed, signalled or stalled rank ends the job in bounded
 time with one line, and the run resumes to the uninterrupted one (checkpoints themselves: test_checkpoints.py)."""
+
 import contextlib
 import json
 import os
@@ -12,12 +13,24 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
+from helpers import (
+    ROOT,
+    TEST_HOOKS,
+    assert_close_losses,
+    assert_same_weights,
+    base_args,
+    check,
+    free_port,
+    launch,
+    load_script,
+    long_run,
+    results,
+    stop_everything,
+    weights,
+)
 
 from finetune import checkpoints, progress, training
 from finetune.internals import hangs
-from helpers import (ROOT, TEST_HOOKS, assert_close_losses, assert_same_weights, base_args, check, free_port, launch,
-                     long_run, load_script, results, stop_everything, weights)
 
 single = load_script("single-gpu.py")
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -27,8 +40,9 @@ def start(argv, log, ranks=2, **env):
     """The deepspeed launcher with CPU ranks, in the background."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
     cmd = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), "zero-optimization.py", *argv]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # a process group of its own, as a SLURM step or a container
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )  # a process group of its own, as a SLURM step or a container
 
 
 def rank_pid(launcher, rank, timeout=60):
@@ -104,10 +118,19 @@ def launched(how, argv, log):
     (the processes to watch, the pid of the launcher)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     bin_dir, port = Path(sys.executable).parent, str(free_port())
-    cmd = ([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", port] if how == "deepspeed" else
-           [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port", port])
-    launcher = subprocess.Popen(cmd + ["zero-optimization.py", *argv], cwd=ROOT, env=env, stdout=open(log, "a"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = (
+        [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", port]
+        if how == "deepspeed"
+        else [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port", port]
+    )
+    launcher = subprocess.Popen(
+        cmd + ["zero-optimization.py", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     return [launcher], launcher
 
 
@@ -117,9 +140,13 @@ def ranks_of(processes, launcher):
         return [p.pid for p in processes]
     deadline = time.time() + 60
     while time.time() < deadline:
-        ranks = [c for c in psutil.Process(launcher.pid).children(recursive=True)
-                 if "zero-optimization.py" in " ".join(c.cmdline()) and c.pid != launcher.pid
-                 and "deepspeed.launcher.launch" not in " ".join(c.cmdline())]
+        ranks = [
+            c
+            for c in psutil.Process(launcher.pid).children(recursive=True)
+            if "zero-optimization.py" in " ".join(c.cmdline())
+            and c.pid != launcher.pid
+            and "deepspeed.launcher.launch" not in " ".join(c.cmdline())
+        ]
         if len(ranks) == 2:
             env_rank = lambda c: int(c.environ().get("RANK", -1))
             return [c.pid for c in sorted(ranks, key=env_rank)]
@@ -131,12 +158,15 @@ def ranks_of(processes, launcher):
 # signalled know), the launcher alone (Kubernetes signals a container's first process), every process of the job
 # (SLURM signals every process of a step at its time limit or a preemption; a terminal its foreground job).
 # (srun's tasks are stopped by a real SLURM in test_slurm.py)
-STOPS = [("deepspeed", "rank 1", signal.SIGUSR1), ("torchrun", "the launcher", signal.SIGTERM),
-         ("torchrun", "the process group", signal.SIGTERM), ("deepspeed", "the process group", signal.SIGTERM)]
+STOPS = [
+    ("deepspeed", "rank 1", signal.SIGUSR1),
+    ("torchrun", "the launcher", signal.SIGTERM),
+    ("torchrun", "the process group", signal.SIGTERM),
+    ("deepspeed", "the process group", signal.SIGTERM),
+]
 
 
-def test_a_killed_or_signalled_run_resumes_to_the_uninterrupted_run_under_every_launcher(tiny, tmp_path,
-                                                                                        uninterrupted):
+def test_a_killed_or_signalled_run_resumes_to_the_uninterrupted_run_under_every_launcher(tiny, tmp_path, uninterrupted):
     """One run through what a cluster does to it. First a rank is killed (SIGKILL): the launcher ends the job at
     once and names that rank. Then, each time resumed with the same command line (`--resume auto`), it is stopped
     four times, once for each launcher and way of signalling: every process exits within 60 s of the signal, after
@@ -160,8 +190,9 @@ def test_a_killed_or_signalled_run_resumes_to_the_uninterrupted_run_under_every_
         try:
             ranks = ranks_of(processes, launcher)
             deadline = time.time() + 120  # a checkpoint of this launch's own: it is training
-            while ((out / "checkpoints" / "latest").read_text() if (out / "checkpoints" / "latest").exists()
-                   else None) in (before, None):
+            while (
+                (out / "checkpoints" / "latest").read_text() if (out / "checkpoints" / "latest").exists() else None
+            ) in (before, None):
                 assert time.time() < deadline and all(p.poll() is None for p in processes), log.read_text()[-3000:]
                 time.sleep(0.05)
             if to == "rank 1" or to == "rank 0":
@@ -183,7 +214,7 @@ def test_a_killed_or_signalled_run_resumes_to_the_uninterrupted_run_under_every_
         stopped = [line for line in text.splitlines() if line.startswith("stopped by ")]
         assert len(stopped) == 1, text[-3000:]  # one line, from rank 0
         # no traceback of ours; torchrun, signalled itself, leaves with one of its own (SignalException)
-        assert "zero-optimization.py\", line" not in text and "finetune/" not in text, text[-3000:]
+        assert 'zero-optimization.py", line' not in text and "finetune/" not in text, text[-3000:]
         assert "Traceback" not in text or (how == "torchrun" and "SignalException" in text), text[-3000:]
         step = int(stopped[0].split(" after step ")[1].split(",")[0])
         assert (out / "checkpoints" / "latest").read_text() == f"step-{step}" and not (out / "results.json").exists()
@@ -191,8 +222,9 @@ def test_a_killed_or_signalled_run_resumes_to_the_uninterrupted_run_under_every_
         codes = [p.returncode for p in processes]
         if to.startswith("rank"):  # the deepspeed launcher alone dies of SIGTERM (on one node)
             assert codes == [checkpoints.STOPPED] * len(processes), (how, to, codes)
-        sys.stdout.write(f"{how}, {sig.name} to {to}: every process gone {ended_after:.1f} s after it, stopped after "
-                         f"step {step}\n")
+        sys.stdout.write(
+            f"{how}, {sig.name} to {to}: every process gone {ended_after:.1f} s after it, stopped after step {step}\n"
+        )
         log.write_text("")
         stopped_at = step
     check(launch("forked", "zero-optimization.py", argv))  # the last part: its launcher is not what is checked
@@ -208,8 +240,12 @@ def wandb_history(out):
     for folder in sorted((out / "wandb").glob("offline-run-*")):
         if not any(folder.glob("run-*.wandb")):  # a run killed as it opened, before W&B wrote its file: no record
             continue
-        records = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(folder)],
-                                 capture_output=True, text=True, check=True).stdout
+        records = subprocess.run(
+            [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(folder)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         for record in map(json.loads, records.splitlines()):
             if record.get("type") == "history":
                 history.setdefault(record["history"]["item"]["_step"], []).append(record["history"]["item"])
@@ -230,8 +266,13 @@ def test_wandb_keeps_every_step_through_a_signal_a_sigkill_and_two_resumes(tiny,
     latest = lambda: int((out / "checkpoints" / "latest").read_text().split("-")[1])
     stopped = None
     for how in (signal.SIGUSR1, signal.SIGKILL):
-        run = subprocess.Popen([sys.executable, "zero-optimization.py", *argv], cwd=ROOT, env=env,
-                               stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        run = subprocess.Popen(
+            [sys.executable, "zero-optimization.py", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_for(out / "checkpoints" / "latest", run)
             while stopped is not None and latest() == stopped:  # a checkpoint of this try
@@ -255,7 +296,8 @@ def test_wandb_keeps_every_step_through_a_signal_a_sigkill_and_two_resumes(tiny,
     for step, items in history.items():
         assert all(item["train/loss"] == pytest.approx(r["losses"][step - 1], rel=1e-6) for item in items), step
     assert [(step, value) for step, value in r["evals"]] == [
-        (step, pytest.approx(history[step][0]["eval/loss"], rel=1e-9)) for step in range(10, 61, 10)]
+        (step, pytest.approx(history[step][0]["eval/loss"], rel=1e-9)) for step in range(10, 61, 10)
+    ]
 
 
 def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_times_out(tiny, tmp_path):
@@ -266,9 +308,14 @@ def test_a_stalled_rank_is_named_and_a_frozen_one_too_before_the_collective_time
     timeout would have ended it with less to say (the report waits for the others until 80% of --dist-timeout), and
     what the trackers were given is written."""
     out = tmp_path / "stalled"
-    launcher = start(long_run(tiny, out, "--dist-timeout", "12", "--log-every", "1", "--report-to", "wandb"),
-                     tmp_path / "log", ranks=3, FINETUNE_TEST_STALL="1:3,2:3:freeze", WANDB_MODE="offline",
-                     PYTHONPATH=TEST_HOOKS)
+    launcher = start(
+        long_run(tiny, out, "--dist-timeout", "12", "--log-every", "1", "--report-to", "wandb"),
+        tmp_path / "log",
+        ranks=3,
+        FINETUNE_TEST_STALL="1:3,2:3:freeze",
+        WANDB_MODE="offline",
+        PYTHONPATH=TEST_HOOKS,
+    )
     try:
         wait_for(out / "hang" / "summary.txt", launcher)  # rank 0's line; it closes its trackers and leaves
         with contextlib.suppress(psutil.Error, AssertionError):
@@ -311,90 +358,6 @@ def where_of(where, rank):
 
 
 @pytest.mark.quick
-def test_the_flight_recorder_is_on_and_dumps_into_the_output_folder(tmp_path):
-    """torch's flight recorder, set before the process group exists: its buffer (torch 2.13's own name, not the
-    deprecated NCCL one, which every rank would warn about), NCCL's dump on a timeout into the output folder rather
-    than /tmp; a value the user set is kept."""
-    environ = {"TORCH_FR_BUFFER_SIZE": "100"}
-    hangs.flight_recorder_env(tmp_path / "run", environ)
-    assert environ == {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                       "TORCH_FR_DUMP_TEMP_FILE": str((tmp_path / "run").resolve() / "nccl_trace_rank_")}
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in environ
-
-
-@pytest.mark.quick
-def test_the_hang_line_groups_the_ranks_by_where_they_are():
-    """The fewest first (the rank that stopped is usually alone), then those that did not report."""
-    assert hangs.summary({0: "all_reduce at x.py:1", 1: "beat at y.py:2", 3: "all_reduce at x.py:1"}, 5) == (
-        "rank 1 in beat at y.py:2; ranks 0,3 in all_reduce at x.py:1; ranks 2,4 did not report (stopped, or on a "
-        "node whose watchdog could not run)")
-    assert hangs.spans([0, 1, 2, 4, 5, 7]) == "0-2,4-5,7" and hangs.spans([3]) == "3"
-
-
-@pytest.mark.quick
-def test_micro_steps_are_progress_so_a_long_step_is_not_a_hang(tmp_path, monkeypatch):
-    """A step of 10 micro-steps of 200 s each (a large --grad-accum with offload): 2000 s without a finished step,
-    past the 900 s bound of the default --dist-timeout (1800 s), yet no micro-step took that long: not a hang. A
-    micro-step that does is one. The clock is the test's."""
-    from types import SimpleNamespace
-
-    from finetune import loss
-
-    now = [0.0]
-    # its thread asleep: the test checks; its clock the test's
-    watchdog = hangs.Watchdog(tmp_path, 1800, rank=0, ranks=2, poll=3600, clock=lambda: now[0])
-    assert watchdog.seconds == 900  # half of --dist-timeout, however large: the user's bound
-    watch = SimpleNamespace(progress=watchdog.progress)  # progress.Watch's, on several ranks
-    micro_step = lambda: progress.RunStats.micro_step(SimpleNamespace(step_pairs=None, watch=watch),
-                                                      loss.Summed(torch.zeros(())))
-    micro_step()  # start-up, the first step: not watched yet
-    assert watchdog.last is None
-    watchdog.beat(1)
-    for _ in range(10):
-        now[0] += 200
-        assert not watchdog.overdue(watchdog.last)
-        micro_step()  # the next micro-step is made, as the scripts' loop says
-    watchdog.beat(2)
-    now[0] += 901
-    assert watchdog.overdue(watchdog.last)  # one micro-step longer than the bound
-    watchdog.stop()
-    micro_step()  # the evaluation and export after the last step
-    assert watchdog.last is None
-
-
-@pytest.mark.quick
-def test_dist_timeout_below_its_minimum_is_one_line():
-    """0 would make every collective, the rendezvous included, time out at once (a misleading 'another rank died')."""
-    from finetune import distributed
-
-    argv = ["--dist-timeout", "0", "--output-dir", "out/x"]
-    for flags in (load_script("zero-optimization.py").parse_args(argv).zero,
-                  load_script("sequence_classification.py").parse_args(argv)):
-        with pytest.raises(SystemExit, match=r"^error: --dist-timeout must be at least 10 seconds .*got 0$"):
-            distributed.collective_settings(flags.dist_timeout, "out/x")
-
-
-@pytest.mark.quick
-def test_the_flight_recorder_dumped_is_the_one_that_holds_the_training_collectives(tmp_path, monkeypatch):
-    """On GPUs NCCL's recorder (torch keeps it apart; the CPU build has none); elsewhere the one every other backend
-    shares. Every rank makes the output folder, where NCCL's own dump on a timeout goes, on nodes without a shared disk
-    too."""
-    import torch.distributed as dist
-
-    assert hangs.recorder("nccl") == "_dump_nccl_trace" and hangs.recorder("gloo") == "_dump_fr_trace"
-    c10d = torch._C._distributed_c10d
-    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *a: b"nccl", raising=False)
-    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *a: b"gloo")
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    for backend in ("nccl", "gloo"):
-        monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
-        hangs.dump_flight_recorder(tmp_path / backend / "rank_0")
-        assert (tmp_path / backend / "rank_0").read_bytes() == backend.encode()
-    checkpoints.prepare_output_dir(tmp_path / "run", overwrite=False, rank=1)
-    assert (tmp_path / "run").is_dir()
-
-
-@pytest.mark.quick
 def test_stop_finds_its_world_at_the_first_step_and_a_stopped_run_leaves_the_group(monkeypatch, tmp_path):
     """The HF Trainer makes the process group after Stop() (in TrainingArguments): the ranks must still agree on when
     to stop. And a run stopped by a signal leaves the group as a finished one does (NCCL warns of a leak otherwise)."""
@@ -413,8 +376,10 @@ def test_stop_finds_its_world_at_the_first_step_and_a_stopped_run_leaves_the_gro
     monkeypatch.setattr(distributed, "skip_teardown", lambda cuda: False)  # a GPU run's exit, with its teardown
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+
         def stopped():
             raise SystemExit(checkpoints.STOPPED)
+
         with pytest.raises(SystemExit) as e:
             distributed.run_distributed(stopped)
         assert e.value.code == checkpoints.STOPPED and not dist.is_initialized()
@@ -428,20 +393,35 @@ def test_a_port_another_process_holds_is_named_not_blamed_on_the_network(tiny, t
     One line names the port and the process that holds it, and how to choose another; before, it said the network
     or the interface was wrong (docs/multinode.md). A real process holds the port, listening as a run's rank 0 does."""
     port = free_port()
-    holder = subprocess.Popen([sys.executable, "-c", f"import socket, time; s = socket.socket(); s.setsockopt("
-                               f"socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', {port})); s.listen(); "
-                               f"print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import socket, time; s = socket.socket(); s.setsockopt("
+            f"socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', {port})); s.listen(); "
+            f"print('ready', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
-        run = launch("forked-python", "zero-optimization.py", base_args(tiny, tmp_path / "run") + ["--deepspeed"],
-                     env={"MASTER_PORT": str(port)})
+        run = launch(
+            "forked-python",
+            "zero-optimization.py",
+            base_args(tiny, tmp_path / "run") + ["--deepspeed"],
+            env={"MASTER_PORT": str(port)},
+        )
     finally:
         holder.kill()
     assert run.returncode == 1 and "Traceback" not in run.stderr
     lines = [x for x in run.stderr.splitlines() if x.startswith("error: ")]
     assert len(lines) == 1, run.stderr[-2000:]
-    assert lines[0].startswith(f"error: port {port} on {os.uname().nodename} is taken by another process (pid "
-                               f"{holder.pid}: {sys.executable} -c import socket") and lines[0].endswith(
+    assert lines[0].startswith(
+        f"error: port {port} on {os.uname().nodename} is taken by another process (pid "
+        f"{holder.pid}: {sys.executable} -c import socket"
+    ) and lines[0].endswith(
         "rank 0 cannot open this run's rendezvous there. Give each run on a machine its own port: deepspeed "
         "--master_port N, torchrun --master_port N, MASTER_PORT=N for python (job/slurm.sbatch picks one from the "
-        "job's id)"), lines[0]
+        "job's id)"
+    ), lines[0]

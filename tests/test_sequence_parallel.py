@@ -1,23 +1,48 @@
 """--sequence-parallel (Ulysses) in zero-optimization.py on CPU (gloo has the all-to-all): each sequence split over
 ranks trains as single-gpu.py on the same batches, documents and sliding windows kept apart, under ZeRO-2 and
 ZeRO-3, with LoRA, offload and gradient checkpointing, resumed with another N; and each refusal is one line."""
+
 import types
+
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    assert_close_losses,
+    assert_resumed,
+    assert_same_weights,
+    base_args,
+    build,
+    check,
+    cpu_process,
+    crash_after_first_checkpoint,
+    launch,
+    load_script,
+    results,
+    weights,
+)
 
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, build, check, cpu_process,
-                     crash_after_first_checkpoint, launch, load_script, results, weights)
-from finetune.internals import sequence_parallel as sp
 from finetune import zero_config
+from finetune.internals import sequence_parallel as sp
 
 single = load_script("single-gpu.py")
 ZERO = "zero-optimization.py"
 
 
 def chats(tiny, model, out, **more):
-    return base_args(tiny, out, **{"--model": str(model), "--dataset": tiny["chats"], "--block-size": 64,
-                                   "--grad-accum": 2, "--weight-decay": 0.1, "--prompt": "How many stars?", **more})
+    return base_args(
+        tiny,
+        out,
+        **{
+            "--model": str(model),
+            "--dataset": tiny["chats"],
+            "--block-size": 64,
+            "--grad-accum": 2,
+            "--weight-decay": 0.1,
+            "--prompt": "How many stars?",
+            **more,
+        },
+    )
 
 
 def test_a_sequence_over_2_ranks_trains_as_one_process_and_resumes_with_another_n(tiny, tmp_path):
@@ -76,8 +101,10 @@ def test_the_shards_of_a_batch_are_its_tokens_and_targets_cut_at_one_place():
     shards = [sp.shard(host, rank, 2, cpu_process(0, None)) for rank in (0, 1)]
     assert [s[0]["input_ids"].tolist() for s in shards] == [[[10, 11, 12], [20, 21, 22]], [[13, 14, 0], [23, 24, 0]]]
     assert [s[0]["position_ids"].tolist() for s in shards] == [[[0, 1, 2], [0, 1, 2]], [[0, 1, 0], [3, 4, 0]]]
-    assert [s[1][0].tolist() for s in shards] == [[[11, 12, -100], [-100, 22, 23]],
-                                                  [[14, -100, -100], [24, -100, -100]]]
+    assert [s[1][0].tolist() for s in shards] == [
+        [[11, 12, -100], [-100, 22, 23]],
+        [[14, -100, -100], [24, -100, -100]],
+    ]
     assert [s[1][1].tolist() for s in shards] == [[0, 1, 4, 5], [0, 3]]  # where the loss is, in each shard
     assert all(s[0][sp.SHARDED] for s in shards) and "attention_mask" not in shards[0][0]
     # each token's document in the whole padded rows, what every rank's attention sees after the all-to-all
@@ -99,26 +126,44 @@ def test_the_documents_mask_is_built_once_per_forward_from_the_hosts_documents()
     assert seen[-1][0] is None and seen[-1][1]["is_causal"] is True
 
     documents = torch.tensor([[1, 1, 1, 1, 2, 2, 3]])  # positions 0 1 2 3 0 1 0
-    for layer in range(4):
-        attention(torch.nn.Module(), query, None, None, None, sliding_window=2, **{sp.DOCUMENTS: documents,
-                                                                                   sp.PLAIN: False})
+    for _ in range(4):  # the layers
+        attention(
+            torch.nn.Module(), query, None, None, None, sliding_window=2, **{sp.DOCUMENTS: documents, sp.PLAIN: False}
+        )
     mask = seen[-1][0]
     assert all(m is mask for m, _ in seen[-4:]) and mask.dtype == torch.bfloat16  # one mask for the 4 layers
     allowed = (mask[0, 0] == 0).int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0],
-                       [0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 1]]
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 0, 1],
+    ]
     assert set(mask[0, 0].flatten().tolist()) == {0.0, float("-inf")}
-    attention(torch.nn.Module(), query, None, None, None, sliding_window=2, **{sp.DOCUMENTS: documents.clone(),
-                                                                               sp.PLAIN: False})
+    attention(
+        torch.nn.Module(),
+        query,
+        None,
+        None,
+        None,
+        sliding_window=2,
+        **{sp.DOCUMENTS: documents.clone(), sp.PLAIN: False},
+    )
     assert seen[-1][0] is not mask  # the next forward's documents: its own mask
 
 
-@pytest.mark.parametrize("size, world, heads, kv, attention, message", [
-    (2, 3, 4, 4, "sdpa", "--sequence-parallel 2 does not divide the 3 ranks; use a divisor of 3"),
-    (4, 4, 6, 6, "sdpa", "the model's 6 attention heads do not split over 4 ranks; use a divisor of 6"),
-    (2, 2, 4, 3, "sdpa", "the model's 3 key/value heads do not split over 2 ranks (nor 2 over them)"),
-    (2, 2, 4, 2, "eager", "runs eager attention, which DeepSpeed's Ulysses cannot take over"),
-])
+@pytest.mark.parametrize(
+    "size, world, heads, kv, attention, message",
+    [
+        (2, 3, 4, 4, "sdpa", "--sequence-parallel 2 does not divide the 3 ranks; use a divisor of 3"),
+        (4, 4, 6, 6, "sdpa", "the model's 6 attention heads do not split over 4 ranks; use a divisor of 6"),
+        (2, 2, 4, 3, "sdpa", "the model's 3 key/value heads do not split over 2 ranks (nor 2 over them)"),
+        (2, 2, 4, 2, "eager", "runs eager attention, which DeepSpeed's Ulysses cannot take over"),
+    ],
+)
 @pytest.mark.quick
 def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, message):
     with pytest.raises(SystemExit) as e:
@@ -130,12 +175,27 @@ def test_what_cannot_be_split_is_one_line(size, world, heads, kv, attention, mes
 def test_a_model_whose_layers_mix_tokens_outside_attention_is_one_line():
     """Recurrent or convolution layers (Qwen3-Next's linear attention, LFM2's convolutions), or Llama 4's chunks,
     would see each rank's slice alone: refused. Sliding and MoE layers are attention's or mix nothing."""
-    sp.check(2, 2, heads=4, kv_heads=2, implementation="sdpa", model="Gemma3TextConfig",
-             layer_types=["sliding_attention", "full_attention", "moe"])
-    with pytest.raises(SystemExit, match="Qwen3NextConfig has conv, linear_attention layers, which mix tokens "
-                                         "outside attention"):
-        sp.check(2, 2, heads=4, kv_heads=2, implementation="sdpa", model="Qwen3NextConfig",
-                 layer_types=["linear_attention", "full_attention", "conv"])
+    sp.check(
+        2,
+        2,
+        heads=4,
+        kv_heads=2,
+        implementation="sdpa",
+        model="Gemma3TextConfig",
+        layer_types=["sliding_attention", "full_attention", "moe"],
+    )
+    with pytest.raises(
+        SystemExit, match="Qwen3NextConfig has conv, linear_attention layers, which mix tokens outside attention"
+    ):
+        sp.check(
+            2,
+            2,
+            heads=4,
+            kv_heads=2,
+            implementation="sdpa",
+            model="Qwen3NextConfig",
+            layer_types=["linear_attention", "full_attention", "conv"],
+        )
 
 
 @pytest.mark.quick
@@ -151,13 +211,15 @@ def test_zero3_under_sequence_parallelism_keeps_its_reduce_scatter(tiny, tmp_pat
     """ZeRO-3 averages gradients over every rank in its reduce-scatter; without it, over the replicas in some buckets
     and every rank in others: refused in one line rather than trained with a gradient off by N in places."""
     import json
+
     from transformers import AutoConfig
 
     config = json.loads(open(zero_config.DEFAULT_CONFIG).read())
     config["zero_optimization"]["reduce_scatter"] = False
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    args = load_script(ZERO).parse_args(base_args(tiny, tmp_path / "run") + [
-        "--deepspeed", str(tmp_path / "ds.json"), "--sequence-parallel", "2"])
+    args = load_script(ZERO).parse_args(
+        base_args(tiny, tmp_path / "run") + ["--deepspeed", str(tmp_path / "ds.json"), "--sequence-parallel", "2"]
+    )
     with pytest.raises(SystemExit, match="needs zero_optimization.reduce_scatter true at stage 3"):
         zero_config.deepspeed_config(args, 2, 4, 1, AutoConfig.from_pretrained(tiny["model"]))
 

@@ -1,4 +1,5 @@
 """single-gpu.py, in process: the demo, the batch-split invariance, resume, the export, and bad input."""
+
 import gc
 import json
 import math
@@ -6,15 +7,24 @@ import re
 import shutil
 import weakref
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from helpers import (
+    assert_close_losses,
+    assert_resumed,
+    assert_same_weights,
+    base_args,
+    cpu_process,
+    crash_after_first_checkpoint,
+    dropout_model,
+    independent_loss,
+    load_script,
+    results,
+    weights,
+)
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (assert_close_losses, assert_resumed, assert_same_weights, base_args, cpu_process,
-                     crash_after_first_checkpoint, dropout_model, independent_loss, load_script, results, weights)
 from finetune import checkpoints, data, models, training
 
 pytestmark = pytest.mark.quick  # in process: `make test-quick`
@@ -79,9 +89,21 @@ def test_evaluating_changes_nothing_in_the_training(tmp_path, tiny):
     runs = {}
     for every in (1, 0):
         out = tmp_path / f"every-{every}"
-        single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--model": str(model),
-                                            "--eval-every": every, "--dataset": tiny["chats"], "--block-size": 64})
-                    + (["--report-to", "tensorboard"] if every else []))
+        single.main(
+            base_args(
+                tiny,
+                out,
+                **{
+                    "--batch-size": 4,
+                    "--grad-accum": 2,
+                    "--model": str(model),
+                    "--eval-every": every,
+                    "--dataset": tiny["chats"],
+                    "--block-size": 64,
+                },
+            )
+            + (["--report-to", "tensorboard"] if every else [])
+        )
         runs[every] = results(out)
     assert (tmp_path / "every-1" / "tensorboard").is_dir()
     assert runs[1]["losses"] == runs[0]["losses"] and runs[1]["grad_norms"] == runs[0]["grad_norms"]
@@ -103,8 +125,11 @@ def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, t
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
-    argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--eval-every": 2, "--dataset": tiny["chats"],
-                                   "--block-size": 64})
+    argv = base_args(
+        tiny,
+        out,
+        **{"--batch-size": 4, "--grad-accum": 2, "--eval-every": 2, "--dataset": tiny["chats"], "--block-size": 64},
+    )
     argv += ["--report-to", "tensorboard", "wandb"]
     single.main(argv)
     crash_after_first_checkpoint(out)
@@ -130,10 +155,11 @@ def test_trackers_get_every_step_and_a_resume_continues_their_curves(tmp_path, t
     assert all((q.replace("<br>", "\n"), a.replace("<br>", "\n")) in turns for q, a, _ in rows)
     tokenizer, model = AutoTokenizer.from_pretrained(out / "final"), AutoModelForCausalLM.from_pretrained(out / "final")
     for question, _, answer in rows:  # the step-4 model's own greedy answers (final/ is that model)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question.replace("<br>", "\n")}],
-                                             tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question.replace("<br>", "\n")}], tokenize=False, add_generation_prompt=True
+        )
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, -63:]  # 64 positions
-        new = model.generate(ids, max_new_tokens=64 - ids.shape[1], do_sample=False)[0, ids.shape[1]:]
+        new = model.generate(ids, max_new_tokens=64 - ids.shape[1], do_sample=False)[0, ids.shape[1] :]
         assert tokenizer.decode(new, skip_special_tokens=True).strip() == answer
     run_id = (out / "wandb-run-id").read_text()
     runs = sorted((out / "wandb").glob("offline-run-*"))
@@ -155,6 +181,7 @@ def test_wandb_missing_or_logged_out_is_one_line(monkeypatch, tmp_path):
     import warnings
 
     from finetune import tracking
+
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(SystemExit, match="^error: --report-to wandb: the wandb package is not installed; pip "):
         tracking.check_wandb({})
@@ -166,8 +193,9 @@ def test_wandb_missing_or_logged_out_is_one_line(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(SystemExit, match="not logged in to W&B; run `wandb login`, set WANDB_API_KEY, or set "
-                                             "WANDB_MODE=offline"):
+        with pytest.raises(
+            SystemExit, match="not logged in to W&B; run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline"
+        ):
             tracking.check_wandb({})
     assert not [w for w in caught if "deprecated" in str(w.message)], [str(w.message) for w in caught]
     tracking.check_wandb({"WANDB_MODE": "offline"})  # no login needed
@@ -197,11 +225,16 @@ def test_resume_continues_with_identical_losses(tmp_path, tiny, monkeypatch):
 
     def held_after_the_loop(model, optimizer):  # what single-gpu.py calls once the loop is done
         gc.collect()
-        live = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *tree_leaves(optimizer.state)]
-                if isinstance(t, torch.Tensor)}
-        kept.append(sum(t.nbytes for t in (r() for r in loaded) if t is not None
-                        and t.untyped_storage().data_ptr() not in live))
+        live = {
+            t.untyped_storage().data_ptr()
+            for t in [*model.parameters(), *tree_leaves(optimizer.state)]
+            if isinstance(t, torch.Tensor)
+        }
+        kept.append(
+            sum(t.nbytes for t in (r() for r in loaded) if t is not None and t.untyped_storage().data_ptr() not in live)
+        )
         return held_bytes(model, optimizer)
+
     monkeypatch.setattr(checkpoints, "_TORCH_LOAD", load_and_watch)
     monkeypatch.setattr(models, "held_bytes", held_after_the_loop)
     single.main(argv + ["--resume"])
@@ -235,21 +268,33 @@ def test_no_packing_and_bf16(tmp_path, tiny):
     assert r16["precision"] == "bf16" and all(0 < x < 10 for x in r16["losses"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"--dataset": "/nonexistent/data.csv"}, "dataset file /nonexistent/data.csv does not exist"),
-    ({"--text-column": "review"}, "has no column 'review' for the text format (it has label, text); name yours with"),
-    ({"--log-every": 0}, "--log-every must be positive, got 0"),
-    ({"--loss-chunk": -1}, "--loss-chunk must be 0 or more"),
-    ({"--lr": 0}, "--lr must be positive, got 0.0"),
-    ({"--batch-size": -1}, "--batch-size must be positive"),
-    ({"--block-size": 1}, "--block-size must be at least 2"),
-    ({"--block-size": 65}, "--block-size 65 is beyond the model's 64 positions"),
-    ({"--max-steps": 0, "--epochs": 0}, "set --epochs or --max-steps"),
-    ({"--final": "best", "--save-every": 0}, "--final best exports the checkpoint with the lowest eval loss: set"),
-    ({"--batch-size": 4000}, "less than one global batch of 4000"),
-    ({"--attention": "torch_varlen"}, "--attention torch_varlen: torch's varlen FlashAttention needs torch 2.10 or"),
-    ({"--attention": "flash_attention_2"}, "--attention flash_attention_2: the flash-attn package is not installed"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"--dataset": "/nonexistent/data.csv"}, "dataset file /nonexistent/data.csv does not exist"),
+        (
+            {"--text-column": "review"},
+            "has no column 'review' for the text format (it has label, text); name yours with",
+        ),
+        ({"--log-every": 0}, "--log-every must be positive, got 0"),
+        ({"--loss-chunk": -1}, "--loss-chunk must be 0 or more"),
+        ({"--lr": 0}, "--lr must be positive, got 0.0"),
+        ({"--batch-size": -1}, "--batch-size must be positive"),
+        ({"--block-size": 1}, "--block-size must be at least 2"),
+        ({"--block-size": 65}, "--block-size 65 is beyond the model's 64 positions"),
+        ({"--max-steps": 0, "--epochs": 0}, "set --epochs or --max-steps"),
+        ({"--final": "best", "--save-every": 0}, "--final best exports the checkpoint with the lowest eval loss: set"),
+        ({"--batch-size": 4000}, "less than one global batch of 4000"),
+        (
+            {"--attention": "torch_varlen"},
+            "--attention torch_varlen: torch's varlen FlashAttention needs torch 2.10 or",
+        ),
+        (
+            {"--attention": "flash_attention_2"},
+            "--attention flash_attention_2: the flash-attn package is not installed",
+        ),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, tiny, overrides, message):
     with pytest.raises(SystemExit) as e:
         single.main(base_args(tiny, tmp_path / "x", **overrides))
@@ -293,87 +338,20 @@ def test_fp16_steps_the_schedule_only_when_the_update_happened(tmp_path, tiny, m
     is the LR schedule; the first real update then gets the first step's learning rate. The scale is read once a
     step."""
     from finetune import training
-    monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 20)  # the first gradients overflow fp16
+
+    monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0**20)  # the first gradients overflow fp16
     reads, get_scale = [], torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or get_scale(self))
     out = tmp_path / "run"
-    single.main(base_args(tiny, out, **{"--precision": "fp16", "--max-steps": 6, "--save-every": 6,
-                                        "--warmup-ratio": 0.0}))
+    single.main(
+        base_args(tiny, out, **{"--precision": "fp16", "--max-steps": 6, "--save-every": 6, "--warmup-ratio": 0.0})
+    )
     assert len(reads) == 1 + 6 + 1  # one host sync a step (on a GPU), where two were made; the checkpoint's
     state = torch.load(out / "checkpoints" / "step-6" / "state.pt", weights_only=False)
     scale = state["scaler"]["scale"]
-    skipped = round(math.log2(2.0 ** 20 / scale))  # each overflow halved the scale once
+    skipped = round(math.log2(2.0**20 / scale))  # each overflow halved the scale once
     assert 1 <= skipped < 6
     assert state["scheduler"]["last_epoch"] == 6 - skipped  # the schedule moved for the real updates only
-
-
-def test_a_failed_sample_is_a_line_not_a_failed_run(tmp_path, tiny, monkeypatch, capsys):
-    """Everything is saved before the sample; an out-of-memory there must not turn a finished run into a failed one.
-    The trackers' answers at each of the 4 evals fail the same way: said once, at the first."""
-    import transformers
-
-    def out_of_memory(*args, **kwargs):
-        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    monkeypatch.setattr(transformers.GenerationMixin, "generate", out_of_memory)
-    out = tmp_path / "run"
-    r = single.main(base_args(tiny, out, **{"--prompt": "The food", "--dataset": tiny["chats"], "--block-size": 64,
-                                            "--eval-every": 1}) + ["--report-to", "tensorboard"])
-    assert r["sample"] is None and results(out)["eval_loss"] > 0 and (out / "final" / "model.safetensors").exists()
-    said = capsys.readouterr().out
-    assert "no sample (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB)" in said
-    assert len(r["evals"]) == 4 and said.count("no answers for the trackers (RuntimeError: CUDA out of memory") == 1
-
-
-def test_the_sample_and_the_answers_are_generated_in_the_runs_precision(tmp_path, tiny, monkeypatch, capsys):
-    """A bf16 run over fp32 weights gets FlashAttention-2 on a GPU, which refuses fp32 activations: generating
-    outside the run's autocast gave no sample and no eval answers there. Here SDPA stands in for it with its
-    refusal: transformers' own get_target_dtype decides what it would cast a query to, the kernel takes fp16 and
-    bf16 only."""
-    from transformers.integrations.flash_attention import get_target_dtype
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    def like_flash_attention(module, query, *args, **kwargs):
-        if (get_target_dtype(query, module) or query.dtype) not in (torch.float16, torch.bfloat16):
-            raise RuntimeError("FlashAttention only supports fp16 and bf16 data type")
-        return sdpa_attention_forward(module, query, *args, **kwargs)
-
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", like_flash_attention)
-    out = tmp_path / "run"
-    r = single.main(base_args(tiny, out, **{"--prompt": "How was the food?", "--dataset": tiny["chats"],
-                                            "--block-size": 64, "--precision": "bf16", "--max-steps": 2})
-                    + ["--report-to", "tensorboard"])
-    said = capsys.readouterr().out
-    assert isinstance(r["sample"], str) and "no answers" not in said and "no sample" not in said, said[-2000:]
-    tokenizer = AutoTokenizer.from_pretrained(out / "final")
-    with pytest.raises(RuntimeError, match="FlashAttention only supports"):  # outside the autocast: refused
-        models._generate(AutoModelForCausalLM.from_pretrained(out / "final"), tokenizer, tokenizer("Hi")["input_ids"],
-                         cpu_process(tokenizer.pad_token_id, None))
-
-
-def test_a_generation_that_failed_on_some_zero3_ranks_ends_the_run_and_on_all_is_a_line():
-    """Under ZeRO-3 the ranks generate together (each layer's shards gathered from all): a failure on every rank is
-    the one line above; on rank 1 alone, rank 0 waits in a gather rank 1 never joins, until --dist-timeout. Rank 1
-    then ends the run at once, naming itself (the launcher stops the rest). Fed the rendezvous store's answers."""
-    import threading
-
-    from torch.distributed import HashStore
-
-    error = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
-    store = HashStore()
-    with pytest.raises(SystemExit, match=r"^error: rank 1 could not generate under ZeRO-3 \(RuntimeError: CUDA out "
-                                         r"of memory. Tried to allocate 2.00 GiB\) while 1 of 2 ranks went on"):
-        models._failed_together(error, store, SimpleNamespace(rank=1, world_size=2), wait_s=0.3)
-    done, store = [], HashStore()  # every rank fails the same generation: each goes on to its own line, none ends
-    for _ in range(2):  # the run, at its first failure and again at its second (each rank counts its own)
-        ranks = [threading.Thread(target=lambda r=r: done.append(models._failed_together(
-            error, store, SimpleNamespace(rank=r, world_size=3), wait_s=60))) for r in range(3)]
-        for thread in ranks:
-            thread.start()
-        for thread in ranks:
-            thread.join()
-    assert done == [None] * 6
 
 
 def test_compile_makes_one_graph_and_then_never_compiles_anew(tiny, tmp_path, monkeypatch, capsys):
@@ -382,16 +360,16 @@ def test_compile_makes_one_graph_and_then_never_compiles_anew(tiny, tmp_path, mo
     without them, a second for the second batch). After the warm-up (training.CompileWarmup) a batch of another shape
     runs eagerly, never compiled anew, said once; a --compile run trains to the eager run's losses. (dynamo's eager
     backend: what is counted is the graphs; no profile of earlier runs: torch's local PGO off.)"""
+    from helpers import data_args
     from torch._dynamo.utils import counters
 
     from finetune import loss
-    from helpers import data_args
 
     monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_local_pgo", False)
     tokenizer = models.load_tokenizer(tiny["model"])
     train = data.prepare(data_args(tiny["data"], block_size=64, packing="none"), tokenizer, seed=0)[0]
     order = train.lengths.argsort().tolist()  # the shortest rows first: a width each pair
-    rows = [order[2 * i:2 * i + 2] for i in range(8)]
+    rows = [order[2 * i : 2 * i + 2] for i in range(8)]
     assert len({int(train.lengths[r].max()) for r in rows}) > 2  # widths that differ
     said = []
     graphs = {}
@@ -410,18 +388,29 @@ def test_compile_makes_one_graph_and_then_never_compiles_anew(tiny, tmp_path, mo
     torch._dynamo.reset()
     warmup = training.CompileWarmup(True, 64, said.append)
     for step, width in enumerate([64, 64, 64, None]):
-        inputs, targets = train.batch(rows[step], cpu_process(tokenizer.pad_token_id, model.config),
-                                      width=width)
+        inputs, targets = train.batch(rows[step], cpu_process(tokenizer.pad_token_id, model.config), width=width)
         with warmup.after_warmup(step):
             model(inputs, targets).loss.backward()
     assert inputs["input_ids"].shape[1] < 64 and counters["stats"]["unique_graphs"] == 1
-    assert said == ["--compile: 1 graph compiled in the first 3 steps; from here a batch of another shape runs "
-                    "eagerly, never compiled anew"]
+    assert said == [
+        "--compile: 1 graph compiled in the first 3 steps; from here a batch of another shape runs "
+        "eagerly, never compiled anew"
+    ]
     # the scripts: the same losses compiled as eagerly
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="eager"))
-    argv = base_args(tiny, tmp_path / "eager", **{"--dataset": tiny["chats"], "--block-size": 64, "--batch-size": 4,
-                                                  "--max-steps": 8, "--save-every": 0, "--eval-every": 0})
+    argv = base_args(
+        tiny,
+        tmp_path / "eager",
+        **{
+            "--dataset": tiny["chats"],
+            "--block-size": 64,
+            "--batch-size": 4,
+            "--max-steps": 8,
+            "--save-every": 0,
+            "--eval-every": 0,
+        },
+    )
     eager = single.main(argv)
     torch._dynamo.reset()
     counters.clear()

@@ -2,6 +2,7 @@
 this machine (tests/slurm_cluster.sh). The script is submitted with sbatch under each launcher; a signal in the form
 that reached nothing (deepspeed) or failed the job (torchrun) before, the checkpoint, SLURM's requeue and the resumed
 run, whose losses equal the uninterrupted run's; srun's one rank per GPU; a failed run is not requeued."""
+
 import os
 import re
 import shutil
@@ -11,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT, TEST_HOOKS, assert_close_losses, free_port, long_run, results
 
 TOOLS = ("sbatch", "scontrol", "scancel", "slurmctld", "slurmd", "munged")
@@ -21,9 +21,14 @@ TOOLS = ("sbatch", "scontrol", "scancel", "slurmctld", "slurmd", "munged")
 def slurm(tmp_path_factory):
     """The environment under which sbatch reaches the test cluster."""
     missing = [tool for tool in TOOLS if not shutil.which(tool) and not os.path.exists(f"/usr/sbin/{tool}")]
-    problem = (f"{', '.join(missing)} missing (.ci/run installs slurmctld, slurmd, slurm-client and munge from "
-               f"Debian's packages)" if missing else "slurmd runs jobs as any user: the cluster needs root"
-               if os.geteuid() else None)
+    problem = (
+        f"{', '.join(missing)} missing (.ci/run installs slurmctld, slurmd, slurm-client and munge from "
+        f"Debian's packages)"
+        if missing
+        else "slurmd runs jobs as any user: the cluster needs root"
+        if os.geteuid()
+        else None
+    )
     if problem:
         if os.environ.get("CI"):  # CI must run the real SLURM, not skip it
             pytest.fail(problem)
@@ -32,11 +37,17 @@ def slurm(tmp_path_factory):
     script = ROOT / "tests" / "slurm_cluster.sh"
     ports = {"SLURM_TEST_PORT": str(free_port()), "SLURM_TEST_SLURMD_PORT": str(free_port())}
     try:
-        started = subprocess.run(["bash", script, "start", state], env={**os.environ, **ports}, capture_output=True,
-                                 text=True, timeout=120)
+        started = subprocess.run(
+            ["bash", script, "start", state], env={**os.environ, **ports}, capture_output=True, text=True, timeout=120
+        )
         assert started.returncode == 0, started.stderr
-        env = {**os.environ, "SLURM_CONF": started.stdout.strip(), "PYTHON_BIN": str(Path(sys.executable).parent),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "SLURM_CONF": started.stdout.strip(),
+            "PYTHON_BIN": str(Path(sys.executable).parent),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         env.pop("MASTER_PORT", None)
         yield env
     finally:
@@ -45,8 +56,18 @@ def slurm(tmp_path_factory):
 
 def submit(slurm, launcher, log, flags, **env):
     """The job's id: job/slurm.sbatch submitted as its header says, on 1 node of 2 GPUs and 2 cores."""
-    cmd = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=2", "--cpus-per-task=2", "--partition=gpu",
-           "--time=30", f"--output={log}", "job/slurm.sbatch", *flags]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--gpus-per-node=2",
+        "--cpus-per-task=2",
+        "--partition=gpu",
+        "--time=30",
+        f"--output={log}",
+        "job/slurm.sbatch",
+        *flags,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env={**slurm, "LAUNCHER": launcher, **env}, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
@@ -65,19 +86,29 @@ def wait_for(condition, what, timeout=300):
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("launcher, signal_form", [
-    ("deepspeed", ["--signal=USR1"]),           # the steps only: the launcher is a step now (it reached nothing)
-    ("torchrun", ["--signal=USR1"]),            # torchrun reports its ranks' 75 as 1: stopped.json decides
-    ("srun", ["--batch", "--signal=USR1"]),     # the batch script only (as --signal=B:USR1@...): passed to srun
-])
-def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_run(slurm, tiny, uninterrupted,
-                                                                                   tmp_path, launcher, signal_form):
+@pytest.mark.parametrize(
+    "launcher, signal_form",
+    [
+        ("deepspeed", ["--signal=USR1"]),  # the steps only: the launcher is a step now (it reached nothing)
+        ("torchrun", ["--signal=USR1"]),  # torchrun reports its ranks' 75 as 1: stopped.json decides
+        ("srun", ["--batch", "--signal=USR1"]),  # the batch script only (as --signal=B:USR1@...): passed to srun
+    ],
+)
+def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_run(
+    slurm, tiny, uninterrupted, tmp_path, launcher, signal_form
+):
     out, log = tmp_path / "run", tmp_path / "slurm.log"
     # the fresh run waits after step 6 until the signal comes (FINETUNE_TEST_HOLD, tests/hooks): its 54 steps left
     # take seconds, less than a signal can take through slurmctld and slurmd on a busy machine
     job_id = submit(slurm, launcher, log, long_run(tiny, out), FINETUNE_TEST_HOLD="6", PYTHONPATH=TEST_HOOKS)
-    wait_for(lambda: (out / "checkpoints" / "latest").exists() or job(slurm, job_id)["JobState"] != "RUNNING"
-             and job(slurm, job_id)["JobState"] != "PENDING", "first checkpoint")
+    wait_for(
+        lambda: (
+            (out / "checkpoints" / "latest").exists()
+            or job(slurm, job_id)["JobState"] != "RUNNING"
+            and job(slurm, job_id)["JobState"] != "PENDING"
+        ),
+        "first checkpoint",
+    )
     assert job(slurm, job_id)["JobState"] == "RUNNING", log.read_text()[-3000:]
     subprocess.run(["scancel", *signal_form, job_id], env=slurm, check=True)
     # SLURM starts a requeued job again once the credential of its last run has expired: 120 s by default, 5 s on
@@ -87,8 +118,11 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_r
     said = log.read_text()
     state = job(slurm, job_id)
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", said[-4000:]
-    stopped = re.search(rf"the run stopped by SIGUSR1 after step (\d+) with its checkpoint step-(\d+) written \(exit "
-                        rf"\d+\): requeued job {job_id}\n", said)
+    stopped = re.search(
+        rf"the run stopped by SIGUSR1 after step (\d+) with its checkpoint step-(\d+) written \(exit "
+        rf"\d+\): requeued job {job_id}\n",
+        said,
+    )
     assert stopped and stopped[1] == stopped[2] == "6", said[-4000:]  # at the hold: no later
     assert f"resumed at step {stopped[1]} of 60" in said and "the run finished (exit 0)" in said
     r = results(out)

@@ -2,20 +2,36 @@
 of GPUs, of torch's two forms of the function and of models; and the plumbing, fed a CPU reference of the kernel
 (torch's runs on CUDA only) that computes each document apart from the same cumulative lengths: the model's logits
 and gradients over a batch of packed documents are the stock model's on each document run alone."""
+
 import functools
 
 import pytest
 import torch
+from helpers import FAMILIES, SIZES, base_args, build, cpu_process, data_args, documents_of, load_script, results
+from test_hardware import A100, CPU, H100, T4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from finetune import data, hardware
 from finetune.internals import demo, varlen
-from helpers import FAMILIES, SIZES, base_args, build, cpu_process, data_args, documents_of, load_script, results
-from test_hardware import A100, CPU, H100, T4
 
 
-def window_form(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def window_form(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     """torch 2.12 on: causal is window_size (-1, 0)."""
     assert window_size[1] == 0 and torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
     assert query.dtype == key.dtype == value.dtype  # FlashAttention takes one dtype
@@ -38,11 +54,13 @@ def test_torch_varlen_is_chosen_from_the_gpu_torchs_form_and_the_models_facts():
     assert varlen.form(varlen_attn) == "window" and varlen.form(causal_form) == "is_causal"
     assert varlen.form(None) is None and varlen.form(lambda q, k, v: q) is None
     config = lambda family, **more: getattr(__import__("transformers"), FAMILIES[family][0])(
-        **{**SIZES, **FAMILIES[family][1], **more})
+        **{**SIZES, **FAMILIES[family][1], **more}
+    )
     facts = lambda cfg: varlen.model_facts(cfg, AutoModelForCausalLM._model_mapping[type(cfg)])
     llama, mistral, gemma2, gpt_oss = (config(f) for f in ("llama", "mistral", "gemma2", "gpt_oss"))
     choose = lambda gpu, kernel_form, cfg, precision="bf16", flash=False: hardware.attention(
-        gpu, precision, flash, True, None, torch_varlen=varlen.fits(kernel_form, **facts(cfg)))
+        gpu, precision, flash, True, None, torch_varlen=varlen.fits(kernel_form, **facts(cfg))
+    )
     for kernel_form in ("window", "is_causal"):
         assert choose(H100, kernel_form, llama) == choose(A100, kernel_form, llama) == "torch_varlen"  # GQA too
         assert choose(H100, kernel_form, llama, flash=True) == "flash_attention_2"
@@ -67,12 +85,25 @@ def corpora(tiny, tmp_path_factory):
     """The tests' tokenizer; chats and preference pairs to pack."""
     root = tmp_path_factory.mktemp("varlen")
     demo.make_demo_pairs(root / "pairs.jsonl", n=24, seed=3, style="strings")
-    return {"tokenizer": AutoTokenizer.from_pretrained(tiny["model"]), "chats": tiny["chats"],
-            "pairs": str(root / "pairs.jsonl"), "root": root, "opt": tiny["model"]}
+    return {
+        "tokenizer": AutoTokenizer.from_pretrained(tiny["model"]),
+        "chats": tiny["chats"],
+        "pairs": str(root / "pairs.jsonl"),
+        "root": root,
+        "opt": tiny["model"],
+    }
 
 
-@pytest.mark.parametrize("family, kernel", [("llama", window_form), ("llama", causal_form), ("mistral", window_form),
-                                            ("opt", causal_form), ("opt", window_form)])
+@pytest.mark.parametrize(
+    "family, kernel",
+    [
+        ("llama", window_form),
+        ("llama", causal_form),
+        ("mistral", window_form),
+        ("opt", causal_form),
+        ("opt", window_form),
+    ],
+)
 @pytest.mark.parametrize("corpus", ["chats", "pairs"])
 def test_packed_documents_through_varlen_are_the_documents_run_apart(corpora, monkeypatch, family, kernel, corpus):
     """A batch of packed documents (chats; preference pairs, whose rejected answers get their prompt back) through
@@ -116,8 +147,9 @@ def test_a_run_through_torch_varlen_trains_as_the_masked_one(tiny, tmp_path, mon
     the varlen layout through the chunked loss, the eval and the sample at the end (no boundaries there: SDPA, causal)
     train as SDPA with the documents' mask does, to fp32's rounding."""
     single = load_script("single-gpu.py")
-    argv = lambda out: base_args(tiny, tmp_path / out, **{"--dataset": tiny["chats"], "--block-size": 64,
-                                                          "--batch-size": 4, "--prompt": "Hi"})
+    argv = lambda out: base_args(
+        tiny, tmp_path / out, **{"--dataset": tiny["chats"], "--block-size": 64, "--batch-size": 4, "--prompt": "Hi"}
+    )
     single.main(argv("sdpa"))
     monkeypatch.setattr(hardware, "attention", lambda *facts, **more: varlen.NAME)
     calls = []
@@ -152,7 +184,11 @@ def test_under_autocast_the_kernel_gets_one_16_bit_dtype(corpora, monkeypatch, k
     cu, ids, positions = inputs["cu_seq_lens_q"], inputs["input_ids"][0], inputs["position_ids"][0]
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         logits = packed(**inputs).logits[0].float()
-        apart = torch.cat([stock(input_ids=ids[None, a:b], position_ids=positions[None, a:b]).logits[0].float()
-                           for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])])
+        apart = torch.cat(
+            [
+                stock(input_ids=ids[None, a:b], position_ids=positions[None, a:b]).logits[0].float()
+                for a, b in zip(cu.tolist()[:-1], cu.tolist()[1:])
+            ]
+        )
     assert set(seen) == {torch.bfloat16} and len(seen) == 2  # both layers, in bf16
     torch.testing.assert_close(logits, apart, rtol=0.05, atol=0.05)

@@ -1,6 +1,7 @@
 """zero-optimization.py on 2 CPU processes (gloo): the same losses and weights as single-gpu.py on the same global
 batches, for every ZeRO stage and offload; sharding, export, resume, errors. The ranks are forked from a pre-imported
 parent (helpers.launch) but for the demo, under the deepspeed launcher; the launchers themselves: test_reliability."""
+
 import json
 import math
 import shutil
@@ -8,9 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from helpers import (ROOT, assert_close_losses, assert_resumed, assert_same_weights, base_args, check,
-                     crash_after_first_checkpoint, dropout_model, launch, load_script, results, weights)
+from helpers import (
+    ROOT,
+    assert_close_losses,
+    assert_resumed,
+    assert_same_weights,
+    base_args,
+    check,
+    crash_after_first_checkpoint,
+    dropout_model,
+    launch,
+    load_script,
+    results,
+    weights,
+)
 
 single = load_script("single-gpu.py")
 ZERO = "zero-optimization.py"
@@ -20,8 +32,10 @@ def fresh_extensions(tmp_path):
     """An empty folder for DeepSpeed's just-in-time builds, but for its CPU all-reduce (a comm op, a minute to build
     and not what is checked here), copied from the usual cache when it is there."""
     import shutil
+
     folder = tmp_path / "torch_extensions"
     from torch.utils.cpp_extension import get_default_build_root
+
     cached = Path(get_default_build_root()) / f"py{sys.version_info[0]}{sys.version_info[1]}_cpu" / "deepspeed_shm_comm"
     folder.mkdir()
     if cached.is_dir() and not (cached / "lock").exists():
@@ -47,6 +61,7 @@ def reference(tiny, tmp_path_factory):
             single.main(base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, **flags}))
             runs[key] = results(out), weights(out / "final")
         return runs[key]
+
     return run
 
 
@@ -59,8 +74,18 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
     same = {0: {"--packing": "stream"}, 1: {"--packing": "none", "--block-size": 64}}.get(stage) or chats(tiny)
     if (stage, offload) == (2, "none"):  # an eval after every step, each rank evaluating its share
         same = {**same, "--eval-every": 1}
-    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--offload": offload,
-                                   **({"--loss-chunk": 0} if stage == 1 else {}), **same})
+    argv = base_args(
+        tiny,
+        out,
+        **{
+            "--batch-size": 2,
+            "--grad-accum": 2,
+            "--zero-stage": stage,
+            "--offload": offload,
+            **({"--loss-chunk": 0} if stage == 1 else {}),
+            **same,
+        },
+    )
     argv += ["--gradient-checkpointing"] if checkpointing else []
     argv += ["--report-to", "tensorboard"] if "--eval-every" in same else []
     if stage == 1:  # gradients reduced where autograd left them (ZeRO-2 here: copied into buckets, auto at 2 ranks)
@@ -89,6 +114,7 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
     assert_close_losses([v for _, v in ref["evals"]], [v for _, v in r["evals"]])
     if "--eval-every" in same:  # rank 0 alone wrote the tracker's events: one file, each step once
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
         assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
         events = EventAccumulator(str(out / "tensorboard"))
         events.Reload()
@@ -100,9 +126,13 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
         assert memory[0] != memory[1]  # two processes' own figures, not one rank's twice
     assert r["train_tokens"] == ref["train_tokens"]
     # what ran, read from the engine: the stage asked for, fp32, the optimizer offload puts on the CPU
-    assert r["ran"] == {"weights_dtype": "float32", "gradient_checkpointing": checkpointing, "zero_stage": stage,
-                        "engine_precision": "fp32",
-                        "optimizer": "DeepSpeedCPUAdam on cpu" if offload == "cpu" else "AdamW on cpu"}
+    assert r["ran"] == {
+        "weights_dtype": "float32",
+        "gradient_checkpointing": checkpointing,
+        "zero_stage": stage,
+        "engine_precision": "fp32",
+        "optimizer": "DeepSpeedCPUAdam on cpu" if offload == "cpu" else "AdamW on cpu",
+    }
     final = weights(out / "final")  # written by rank 0 after gathering the shards
     assert_same_weights(ref_weights, final)
 
@@ -111,6 +141,7 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
     if stage == 3:
         # DeepSpeed's own consolidation of the last checkpoint gives the exported weights
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
         consolidated = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"))
         assert_same_weights({k: consolidated[k] for k in final}, final, atol=0)
 
@@ -124,8 +155,9 @@ def test_bf16_under_zero_tracks_the_single_process_bf16_run(tiny, tmp_path, refe
     4e-5 from it. So: within 1e-4 of the bf16 run (ZeRO-0: 1e-5), and further from the fp32 one than a ZeRO run that
     trained in fp32 is (~1e-7), and the engine says which bf16 it ran."""
     single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "bf16"}))
-    argv = base_args(tiny, tmp_path / "two", **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage,
-                                                "--precision": "bf16"})
+    argv = base_args(
+        tiny, tmp_path / "two", **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage, "--precision": "bf16"}
+    )
     check(launch("forked", ZERO, argv + ["--deepspeed"]))
     one, two, fp32 = results(tmp_path / "one"), results(tmp_path / "two"), reference()[0]
     if stage == 0:  # autocast over fp32 weights, as single-gpu.py
@@ -149,11 +181,20 @@ def cpu_fp16(tiny, tmp_path, name, ranks, stage, scale_power=16, growth=1001, **
     config = json.loads((ROOT / "ds_config_zero3.json").read_text())
     config["fp16"].update(initial_scale_power=scale_power, loss_scale_window=growth - 1)
     (tmp_path / "ds.json").write_text(json.dumps(config))
-    argv = base_args(tiny, tmp_path / name, **{"--batch-size": 4 // ranks, "--grad-accum": 2, "--zero-stage": stage,
-                                               "--precision": "fp16", **flags})
-    check(launch("forked" if ranks > 1 else "forked-python", "tests/cpu_fp16.py",
-                 [ZERO] + argv + [f"--deepspeed={tmp_path / 'ds.json'}"], nproc=ranks,
-                 env={"FP16_INIT_SCALE": str(2.0 ** scale_power), "FP16_GROWTH_INTERVAL": str(growth)}))
+    argv = base_args(
+        tiny,
+        tmp_path / name,
+        **{"--batch-size": 4 // ranks, "--grad-accum": 2, "--zero-stage": stage, "--precision": "fp16", **flags},
+    )
+    check(
+        launch(
+            "forked" if ranks > 1 else "forked-python",
+            "tests/cpu_fp16.py",
+            [ZERO] + argv + [f"--deepspeed={tmp_path / 'ds.json'}"],
+            nproc=ranks,
+            env={"FP16_INIT_SCALE": str(2.0**scale_power), "FP16_GROWTH_INTERVAL": str(growth)},
+        )
+    )
     r = results(tmp_path / name)
     assert r["ran"]["engine_precision"] == "fp16" and r["ran"]["weights_dtype"] == "float16"
     return r
@@ -168,11 +209,13 @@ def test_fp16_under_zero_tracks_the_single_process_fp16_run(tiny, tmp_path, monk
     (updates 2^-16 times too small), and every stage grows the scale before unscaling with it (the mends:
     docs/deepspeed-upstream.md)."""
     from finetune import training
-    monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0 ** 10)
+
+    monkeypatch.setitem(training.FP16_SCALER, "init_scale", 2.0**10)
     monkeypatch.setitem(training.FP16_SCALER, "growth_interval", 3)
     flags = {"--max-steps": 8, "--save-every": 4, "--warmup-ratio": 0.0, "--lr": 1e-2}
-    single.main(base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "fp16",
-                                                     **flags}))
+    single.main(
+        base_args(tiny, tmp_path / "one", **{"--batch-size": 4, "--grad-accum": 2, "--precision": "fp16", **flags})
+    )
     one, two = results(tmp_path / "one"), cpu_fp16(tiny, tmp_path, "two", 2, stage, 10, 3, **flags)
     assert_close_losses(one["losses"], two["losses"], rtol=1e-3)
     assert_close_losses(one["grad_norms"], two["grad_norms"], rtol=1e-2)
@@ -252,8 +295,14 @@ def test_compile_changes_the_kernels_not_the_run(tiny, tmp_path, reference, scri
         argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage}) + ["--deepspeed"]
     else:
         argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2})
-    check(launch("forked" if script == ZERO else "forked-python", script, argv + ["--compile"],
-                 env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}))
+    check(
+        launch(
+            "forked" if script == ZERO else "forked-python",
+            script,
+            argv + ["--compile"],
+            env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
+        )
+    )
     assert len(list(cache.rglob("*.py"))) > 0  # inductor generated the kernels: the model did run compiled
     assert_close_losses(reference()[0]["losses"], results(out)["losses"])
     assert_same_weights(reference()[1], weights(out / "final"))
@@ -263,8 +312,15 @@ def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
     """Also --final best under ZeRO: at a learning rate of 1 the eval loss is lowest after step 1, and final/ is
     that checkpoint's weights (DeepSpeed's own consolidation of it), as single-gpu.py exports it."""
     out = tmp_path / "run"
-    best = {"--lr": 1.0, "--eval-every": 1, "--save-every": 1, "--keep-checkpoints": 1, "--max-train-samples": 8,
-            "--max-steps": 6, "--final": "best"}
+    best = {
+        "--lr": 1.0,
+        "--eval-every": 1,
+        "--save-every": 1,
+        "--keep-checkpoints": 1,
+        "--max-train-samples": 8,
+        "--max-steps": 6,
+        "--final": "best",
+    }
     argv = base_args(tiny, out, **{"--batch-size": 4, "--grad-accum": 2, "--zero-stage": 2, **best})
     check(launch("forked-python", ZERO, argv))
     r, (ref, ref_weights) = results(out), reference(**best)
@@ -272,6 +328,7 @@ def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
     assert_close_losses(ref["losses"][:3], r["losses"][:3])  # then a learning rate of 1 grows fp32 rounding (1e-4)
     assert r["best_step"] == r["final_step"] == ref["final_step"] == 1 and r["evals"][-1][1] > r["evals"][0][1]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step-1")
     final = weights(out / "final")
     assert_same_weights({k: step_1[k] for k in final}, final, atol=0)
@@ -281,8 +338,9 @@ def test_plain_python_is_a_world_of_one(tiny, tmp_path, reference):
 
 def test_demo_under_the_deepspeed_launcher(tmp_path):
     out = tmp_path / "demo"
-    run = check(launch("deepspeed", ZERO, ["--demo", "--batch-size", "8", "--max-steps", "30",
-                                           "--output-dir", str(out)]))
+    run = check(
+        launch("deepspeed", ZERO, ["--demo", "--batch-size", "8", "--max-steps", "30", "--output-dir", str(out)])
+    )
     r = results(out)
     assert r["world_size"] == 2 and len(r["losses"]) == 30 and r["losses"][-1] < 0.5 * r["losses"][0]
     assert "step 30/30 | loss" in run.stdout and "sample: 'Review: " in run.stdout
@@ -299,8 +357,18 @@ def test_config_that_contradicts_the_flags_is_one_line(tiny, tmp_path):
 
 
 # what every rank must call together (a gather, an evaluation, a generation under ZeRO-3, a barrier)
-COLLECTIVES = {"held_bytes", "eval_loss_sums", "evaluate", "sample", "gathered_state_dict", "all_reduce", "barrier",
-               "save_checkpoint", "load_checkpoint", "reference"}
+COLLECTIVES = {
+    "held_bytes",
+    "eval_loss_sums",
+    "evaluate",
+    "sample",
+    "gathered_state_dict",
+    "all_reduce",
+    "barrier",
+    "save_checkpoint",
+    "load_checkpoint",
+    "reference",
+}
 
 
 @pytest.mark.quick
@@ -311,11 +379,17 @@ def test_no_rank_waits_on_a_collective_while_rank_0_writes_the_model(script):
     half-way through the write. So the writes come after the last collective of main()."""
     import ast
 
-    main = next(f for f in ast.parse((Path(__file__).parent.parent / script).read_text()).body
-                if isinstance(f, ast.FunctionDef) and f.name == "main")
-    called = lambda node: [n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
-                           for n in ast.walk(node) if isinstance(n, ast.Call)]
+    main = next(
+        f
+        for f in ast.parse((Path(__file__).parent.parent / script).read_text()).body
+        if isinstance(f, ast.FunctionDef) and f.name == "main"
+    )
+    called = lambda node: [
+        n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+        for n in ast.walk(node)
+        if isinstance(n, ast.Call)
+    ]
     order = [name for statement in main.body for name in called(statement)]
     assert "save_final" in order
-    after = order[order.index("save_final"):]
+    after = order[order.index("save_final") :]
     assert not COLLECTIVES & set(after), COLLECTIVES & set(after)

@@ -2,6 +2,7 @@
 matrix (test_models.py) launches, so that the interpreter, the imports and the process group are paid for once
 rather than once a model. Each run is main(argv) as the launcher would start it, but for the group, left open for
 the next run. The argvs are a JSON list of lists in the file named by the first argument."""
+
 import importlib.util
 import json
 import sys

@@ -20,7 +20,6 @@ import time
 import traceback
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[2]  # this project's code: the scripts and the package
 FLIGHT_RECORDER_ENTRIES = "2000"  # collectives each rank keeps in its flight recorder (a few hundred KB)
 HUNG = 3  # the exit status of a run ended by a hang report

@@ -117,7 +117,7 @@ def count_layer(config, precision, autocast, k):
         for length in LENGTHS:
             kept = {}
 
-            def keep(t):
+            def keep(t, params=params, kept=kept):  # (this length's)
                 storage = t.untyped_storage()
                 if storage.data_ptr() not in params:
                     kept[storage.data_ptr()] = max(kept.get(storage.data_ptr(), 0), storage.nbytes())

@@ -17,8 +17,8 @@ import dataclasses
 import hashlib
 import inspect
 import textwrap
+from collections.abc import Callable
 from importlib import import_module
-from typing import Callable
 
 from . import mend_fixes as fixes
 from . import mend_speedups as speedups
@@ -242,7 +242,7 @@ class Mended:
             self.applied.append(entry.name)
 
     def adopt_pending(self):
-        for key, (undo, holders) in _PROCESS_WIDE.items():
+        for key, (_, holders) in _PROCESS_WIDE.items():
             if not holders:
                 holders.add(id(self))
                 self.holds.add(key)

@@ -9,6 +9,7 @@ FINETUNE_TEST_STALL=rank:step[,rank:step:freeze]: each such rank stops after tha
 FINETUNE_TEST_JOIN=rank:seconds or rank:path: that rank joins the process group late, after the seconds or once the
     file exists, so that another launch's ranks reach this one's store while it forms (distributed.launch_token).
 """
+
 import os
 
 HOLD, STALL = os.environ.get("FINETUNE_TEST_HOLD"), os.environ.get("FINETUNE_TEST_STALL")
