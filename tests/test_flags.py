@@ -4,6 +4,7 @@ wrong with a file is one line."""
 
 import dataclasses
 import json
+import os
 
 import pytest
 from helpers import base_args, load_script, results
@@ -55,7 +56,8 @@ def test_both_scripts_take_the_shared_flags_with_the_same_defaults():
     assert sorted(fields) == sorted(dests)  # each once: --seed is the training's alone
     for piece in config.pieces():  # the parsed values are the fields' defaults (but the script's own output folder)
         for field in dataclasses.fields(piece):
-            expected = "out/zero" if field.name == "output_dir" else field.default
+            # (the script's own output folder; the data's cache where $DATA_CACHE says, read as the piece is made)
+            expected = {"output_dir": "out/zero", "cache_dir": os.environ["DATA_CACHE"]}.get(field.name, field.default)
             assert getattr(piece, field.name) == expected, field.name
     assert single.parse_args([]).zero is None and config.sequence_parallel == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
