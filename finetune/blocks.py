@@ -53,7 +53,8 @@ def write_split(batches, block_size, packing, folder, pairs=False):
     blocks.npy (per block: start, length, predicted tokens, and the sum of its segments' squared lengths, which
     counts the attention's work). Written in chunks, so memory stays flat in the corpus size. `pairs`: each document
     is a preference pair (its rejected sequence flagged as a document start): a block's count is of its pairs, and
-    pieces.npy lists the pairs (rows) of the blocks, in order."""
+    pieces.npy lists the pairs of the blocks, in order, each by its place among the split's kept pairs (0 ..
+    pairs_total - 1, the index of its reference scores: a row skipped or dropped holds no place)."""
     lengths = write_sources(batches, folder)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     doc, src, n, block = placed(lengths, offsets, block_size, packing, pairs)
@@ -91,7 +92,7 @@ def write_split(batches, block_size, packing, folder, pairs=False):
         shared = np.bincount(owner, (source & SHARED) > 0, minlength=len(lengths)).astype(np.int64)
         chosen, rest, prefix = rejected[doc], n - rejected[doc], shared[doc]
         table[:, 2], table[:, 3] = count(block, None), count(block, chosen ** 2 + rest ** 2 + 2 * rest * prefix)
-        np.save(folder / "pieces.npy", doc)
+        np.save(folder / "pieces.npy", np.searchsorted(np.unique(doc), doc))  # (each kept pair once: fit to a block)
     np.save(folder / "blocks.npy", table[table[:, 2] > 0])  # a block with nothing to learn (a long prompt's piece)
     for name in ("source-tokens", "source-loss"):
         (folder / name).unlink()

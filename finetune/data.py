@@ -23,7 +23,7 @@ from .base import fail
 from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
-VERSION = 5  # of the prepared files' layout: part of the cache key
+VERSION = 6  # of the prepared files' layout: part of the cache key (6: pieces.npy by kept pair)
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
 BATCH = 10_000

@@ -246,8 +246,9 @@ def sample(model, tokenizer, prompt, split, process):
         return None
     try:
         messages = [{"role": "user", "content": prompt}] if split.format == "messages" else None
-        if split.format == "preference" and split.examples:
-            messages, prompt, _ = preference.examples_prompt(split.examples[0])
+        usable = [p for p in map(preference.examples_prompt, split.examples) if p[1]]  # (a skipped pair has none)
+        if split.format == "preference" and usable:
+            messages, prompt, _ = usable[0]
         answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), process)
         process.say(f"sample: {prompt!r} -> {answer!r}")
         return answer

@@ -148,11 +148,20 @@ def test_bf16_lora_and_the_best_checkpoint_with_pairs(pairs, tmp_path, capsys):
 
 
 def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process, tmp_path):
-    """One launch, five runs (tests/zero_runs.py): 2 ranks x micro-batch 2 x 2 micro-steps, the global batch of one
+    """One launch, six runs (tests/zero_runs.py): 2 ranks x micro-batch 2 x 2 micro-steps, the global batch of one
     process's 4 x 2. Folded in: two rows a pair (ZeRO-0), the plain loss (ZeRO-1), an eval after every step (ZeRO-2),
-    gradient checkpointing (ZeRO-3), LoRA under ZeRO-3."""
+    gradient checkpointing (ZeRO-3), LoRA under ZeRO-3, and unusable rows before, between and after the pairs (ZeRO-2,
+    held to the one-process run on the file without them)."""
     lora = {"--lora-rank": 4, "--lora-alpha": 8, "--lr": 1e-2}
-    cases = {0: {"--packing": "none"}, 1: {"--loss-chunk": 0}, 2: {"--eval-every": 1}, 3: {}, "lora": lora}
+    mixed = with_unusable_rows(pairs["strings"], tmp_path / "mixed.jsonl")
+    cases = {
+        0: {"--packing": "none"},
+        1: {"--loss-chunk": 0},
+        2: {"--eval-every": 1},
+        3: {},
+        "lora": lora,
+        "mixed": {"--dataset": mixed, "--eval-dataset": mixed},
+    }
     argvs = []
     for stage, given in cases.items():
         extra = ["--gradient-checkpointing"] if stage == 3 else []
@@ -164,7 +173,7 @@ def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process
                     "--batch-size": 2,
                     "--grad-accum": 2,
                     "--eval-every": 2,
-                    "--zero-stage": 3 if stage == "lora" else stage,
+                    "--zero-stage": {"lora": 3, "mixed": 2}.get(stage, stage),
                     **given,
                 },
             )
@@ -173,9 +182,8 @@ def test_zero_0_to_3_and_lora_on_2_ranks_train_as_one_process(pairs, one_process
     (tmp_path / "runs.json").write_text(json.dumps(argvs))
     check(launch("forked", "tests/zero_runs.py", [str(tmp_path / "runs.json")], timeout=900))
     for stage, given in cases.items():
-        one = one_process(
-            **{k: v for k, v in given.items() if k in ("--packing", "--lora-rank", "--lora-alpha", "--lr")}
-        )
+        same = {k: v for k, v in given.items() if k in ("--packing", "--lora-rank", "--lora-alpha", "--lr")}
+        one = one_process(**same) if stage != "mixed" else one_process(**{"--eval-dataset": pairs["strings"]})
         a, b = results(one), results(tmp_path / f"zero-{stage}")
         assert b["world_size"] == 2 and b["global_batch_size"] == 8, stage
         assert_close_losses(a["losses"], b["losses"])
@@ -207,3 +215,41 @@ def test_pairs_take_a_dpo_learning_rate_unless_one_is_given(pairs, tmp_path, cap
     assert [preference.learning_rate(*case) for case in cases] == [1e-6, 5e-6, 5e-5, 5e-5, 3e-4]
     single.main(dpo_args(pairs, tmp_path / "run", **{"--lr": None, "--max-steps": 1, "--save-every": 0}))
     assert " | lr 1e-06 | fp32 | cpu" in capsys.readouterr().out
+
+
+UNUSABLE = [
+    {"prompt": "a", "chosen": "", "rejected": " b"},  # an empty answer
+    {"prompt": "a", "chosen": " b", "rejected": " b"},  # nothing to prefer
+    {"chosen": "The answer is 4", "rejected": "The answer is 4 or 5"},  # an implicit prompt leaves one answer empty
+]
+
+
+def with_unusable_rows(path, out):
+    """The pairs of `path` with an unusable row before them, one between them and one after: skipped, and the rest
+    trains as the file without them."""
+    rows = [json.loads(line) for line in open(path)]
+    rows = UNUSABLE[:1] + rows[:10] + UNUSABLE[1:2] + rows[10:] + UNUSABLE[2:]
+    Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(out)
+
+
+@pytest.mark.parametrize("packing", ["isolated", "none"])
+def test_unusable_rows_before_kept_pairs_train_as_the_file_without_them(pairs, tmp_path, capsys, packing):
+    """Unusable rows before, between and after the pairs, in the training and the eval file, packed and a pair a row:
+    skipped and counted at start, and the reference pass, the training and the evaluation are those of the file
+    without them: the same reference log-probabilities, losses and eval (before: the reference pass ended in an
+    IndexError, a pair's index counting the rows skipped before it)."""
+    mixed = with_unusable_rows(pairs["strings"], tmp_path / "mixed.jsonl")
+    runs = {}
+    for name, path in (("clean", pairs["strings"]), ("mixed", mixed)):
+        out = tmp_path / name
+        flags = {"--dataset": path, "--eval-dataset": path, "--packing": packing, "--max-steps": 3}
+        single.main(dpo_args(pairs, out, **flags))
+        runs[name] = results(out), torch.load(out / "reference.pt", weights_only=True)
+    said = capsys.readouterr().out
+    assert "; 3 skipped (2: the chosen answer is empty; 1: chosen and rejected are the same" in said
+    (clean, clean_reference), (mixed_run, mixed_reference) = runs["clean"], runs["mixed"]
+    assert torch.equal(clean_reference["train"], mixed_reference["train"]) and len(clean_reference["train"]) == 48
+    assert torch.equal(clean_reference["eval"], mixed_reference["eval"])
+    assert mixed_run["losses"] == clean["losses"] and mixed_run["evals"] == clean["evals"]
+    assert mixed_run["rewards/accuracies"] == clean["rewards/accuracies"]
