@@ -59,7 +59,7 @@ def main(argv=None):
     model = models.load_causal_lm(config.model, model_config, device)  # fp32 master weights, the fastest attention
     model_config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
     model = models.prepare_model(model, config.model, config.train.seed)  # LoRA, gradient checkpointing
-    model = loss.CausalLMLoss(model, config.model.loss_chunk, loss.PairLoss.of(config.train))  # forward(in, targets)
+    model = loss.CausalLMLoss(model, config.model.loss_chunk, preference.PairLoss.of(config.train))  # the loss
     model.to(device)
     optimizer = torch.optim.AdamW(training.param_groups(model, config.train.weight_decay), lr=config.train.lr,
                                   betas=training.ADAM_BETAS, eps=training.ADAM_EPS, fused=True)  # one kernel

@@ -71,7 +71,7 @@ def main(argv=None):
     model = models.load_causal_lm(config.model, model_config, device)  # fp32 master weights, the fastest attention
     model_config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
     model = models.prepare_model(model, config.model, config.train.seed)  # LoRA, gradient checkpointing
-    model = loss.CausalLMLoss(model, config.model.loss_chunk, loss.PairLoss.of(config.train))  # forward(in, targets)
+    model = loss.CausalLMLoss(model, config.model.loss_chunk, preference.PairLoss.of(config.train))  # the loss
     schedule = lambda opt: training.cosine_schedule(opt, warmup_steps, total_steps)
     model, optimizer, _, scheduler = deepspeed.initialize(  # ZeRO: wraps model and optimizer, shards their state
         model=model, model_parameters=training.param_groups(model, config.train.weight_decay), config=ds_config,

@@ -123,7 +123,7 @@ def placed(lengths, offsets, block_size, packing, pairs):
     # one document per row, cut at block_size (the rest is dropped); a pair's two sequences, a row each later
     keep = lengths > 0
     doc, src = np.flatnonzero(keep), offsets[:-1][keep]
-    n = np.minimum(lengths[keep], 2 * block_size if pairs else block_size)  # (preference.fit fitted each)
+    n = np.minimum(lengths[keep], 2 * block_size if pairs else block_size)  # (preference/rows.py's fit fitted each)
     return doc, src, n, np.arange(len(src))
 
 

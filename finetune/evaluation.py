@@ -12,10 +12,10 @@ from .blocks import rank_batches
 @torch.no_grad()
 def eval_loss_sums(model, blocks, batch_size, process):
     """(summed loss, predicted tokens) over this rank's share of the eval set, as a float64 tensor to all-reduce;
-    for preference pairs (summed pair loss, pairs, loss.scored's metrics' sums). Every rank runs the same number of
-    forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch whose loss is
-    masked out. `model`: a loss.CausalLMLoss (or the engine that wraps it); `batch_size`: sequences a rank and pass;
-    `process`: training.Process."""
+    for preference pairs (summed pair loss, pairs, their metrics' sums: preference/metrics.py). Every rank runs the
+    same number of forward passes (ZeRO-3 gathers parameters collectively); a rank with nothing left runs a batch
+    whose loss is masked out. `model`: a loss.CausalLMLoss (or the engine that wraps it); `batch_size`: sequences a
+    rank and pass; `process`: training.Process."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=process.device)
     pairs = None

@@ -20,7 +20,7 @@ from . import quantization, tracking
 from .base import ROOT, fail
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "torch_varlen")  # --attention's choices beside auto
-PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")  # --preference-loss, TRL's names (loss.PairLoss)
+PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")  # --preference-loss, TRL's names (preference.PairLoss)
 # how a run was started and on which machine, not its recipe: --config skips them
 RUN_CONTROL = ("resume", "overwrite", "config", "demo", "cache_dir")
 ZERO3_CONFIG = str(ROOT / "ds_config_zero3.json")

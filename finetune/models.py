@@ -246,9 +246,9 @@ def sample(model, tokenizer, prompt, split, process):
         return None
     try:
         messages = [{"role": "user", "content": prompt}] if split.format == "messages" else None
-        usable = [p for p in map(preference.examples_prompt, split.examples) if p[1]]  # (a skipped pair has none)
-        if split.format == "preference" and usable:
-            messages, prompt, _ = usable[0]
+        if split.format == "preference":  # the first held-out pair's prompt (a skipped pair has none)
+            usable = [p for p in map(preference.examples_prompt, split.examples) if p[1]]
+            messages, prompt, _ = usable[0] if usable else (None, prompt, None)
         answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), process)
         process.say(f"sample: {prompt!r} -> {answer!r}")
         return answer

@@ -97,8 +97,8 @@ class RunStats:
         self.peak = hardware.peak_tflops(facts.name, config.model.precision) if facts.kind == "cuda" else None
         self.precision = config.model.precision
         self.record = Record()  # what a checkpoint keeps
-        self.pending, self.pending_norms, self.pending_pairs = [], [], []  # on the device until the next log line
-        self.step_pairs = None  # this step's micro-batches' pair metrics, summed (micro_step)
+        self.pending, self.pending_norms = [], []  # on the device until the next log line
+        self.pairs = preference.PairMetrics()  # preference pairs' metrics, the same way
         self.final_step = None  # the step of the weights in final/ (load_best)
         self.answers_failed = False  # said once: the trackers' eval answers could not be generated
         self.interval_tokens, self.interval_attended = 0, 0
@@ -123,7 +123,7 @@ class RunStats:
         long a step of many micro-steps takes; preference pairs: their metrics' sums, added up over the step."""
         self.watch.progress()
         if summed.pair_metrics is not None:
-            self.step_pairs = summed.pair_metrics + (0 if self.step_pairs is None else self.step_pairs)
+            self.pairs.add(summed.pair_metrics)
 
     def end_step(self, step_loss, blocks, indices, grad_norm):
         """grad_norm: the step's gradient norm before clipping (a tensor or a float, read at the next log line; None
@@ -131,9 +131,8 @@ class RunStats:
         self.record.step += 1
         self.pending.append(step_loss)
         self.pending_norms.append(grad_norm)
-        sums, self.step_pairs = self.step_pairs, None  # pairs: this rank's sums, averaged over the global batch's
-        if sums is not None:
-            self.pending_pairs.append(torch.cat([sums, sums.new_tensor([blocks.predicted[indices].sum()])]))
+        if self.pairs.step_sums is not None:  # (a block's count is of its pairs: the global batch's pairs)
+            self.pairs.end_step(blocks.predicted[indices].sum())
         self.interval_tokens += int(blocks.lengths[indices].sum())
         self.interval_attended += int(blocks.attended[indices].sum())
         self.profiler.step_done(self.record.step)
@@ -149,20 +148,17 @@ class RunStats:
         record = self.record
         memory = torch.zeros(self.ranks, device=self.pending[0].device)
         memory[self.rank] = peak_memory_bytes(self.device) / 2**30
-        pairs = torch.stack(self.pending_pairs).flatten() if self.pending_pairs else memory[:0]
-        losses = torch.cat([torch.stack(self.pending).float(), memory, pairs.to(memory.device)])
+        pairs = self.pairs.take(memory)
+        losses = torch.cat([torch.stack(self.pending).float(), memory, pairs])
         if self.ranks > 1:
             torch.distributed.all_reduce(losses)
         n = len(self.pending)
         losses, self.rank_memory, pairs = losses[:n], losses[n:n + self.ranks].tolist(), losses[n + self.ranks:]
         first_pairs = len(record.pair_metrics["rewards/chosen"]) + 1
-        for *sums, count in pairs.view(-1, len(preference.METRICS) + 2).tolist():  # loss.dpo's sums and the pairs
-            count /= self.ranks  # every rank added the global batch's count
-            for name, value in preference.metric_values(sums, count).items():
+        for step, values in enumerate(self.pairs.per_step(pairs, self.ranks), first_pairs):
+            for name, value in values.items():
                 record.pair_metrics[name].append(value)
-        for step in range(first_pairs, len(record.pair_metrics["rewards/chosen"]) + 1):
-            self.trackers.log({f"train/{k}": v[step - 1] for k, v in record.pair_metrics.items()}, step)
-        self.pending_pairs = []
+            self.trackers.log({f"train/{k}": v for k, v in values.items()}, step)
         first = len(record.losses) + 1
         record.losses += losses.tolist()
         record.grad_norms += [math.nan if norm is None else float(norm) for norm in self.pending_norms]  # every rank's

@@ -16,6 +16,7 @@ PRODUCT_LIMIT, FUNCTION_LIMIT, MAIN_LIMIT, POSITIONAL = 400, 60, 120, 5
 # _load_from_state_dict (quantization's keeping)
 LIBRARY_SIGNATURES = {
     ("loss.py", "forward"),
+    ("pair_loss.py", "forward"),
     ("mend_speedups.py", "allreduce_and_copy"),
     ("quantization.py", "keeping"),
 }
@@ -63,17 +64,27 @@ def test_functions_are_short_and_hand_their_values_over_by_name():
 
 
 def package_imports():
-    """{module: the package's modules it imports, anywhere in it} (finetune's and finetune.internals', by name)."""
-    modules = {p.stem: p for p in (ROOT / "finetune").rglob("*.py") if p.stem != "__init__"}
+    """{module: the package's modules it imports, anywhere in it}, by dotted name under finetune ("loss",
+    "preference" for its __init__, "preference.pair_loss", "internals.hangs")."""
+    package = ROOT / "finetune"
+    names = {
+        ".".join(p.relative_to(package).with_suffix("").parts).removesuffix(".__init__").removesuffix("__init__"): p
+        for p in package.rglob("*.py")
+    }
+    names.pop("", None)  # finetune/__init__.py itself
     graph = {}
-    for name, path in modules.items():
-        names = set()
+    for name, path in names.items():
+        here = name.split(".")[:-1] if path.name != "__init__.py" else name.split(".")
+        found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:  # from . import x, from .x import y, from .. import x
-                names |= {node.module.split(".")[-1]} if node.module else {a.name for a in node.names}
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                prefix = [*base, *(node.module.split(".") if node.module else [])]
+                found |= {".".join(prefix)} | {".".join([*prefix, a.name]) for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finetune"):
-                names |= {node.module.split(".")[-1]} if "." in node.module else {a.name for a in node.names}
-        graph[name] = {n for n in names if n in modules} - {name}
+                prefix = node.module.split(".")[1:]
+                found |= {".".join(prefix)} | {".".join([*prefix, a.name]) for a in node.names}
+        graph[name] = {n for n in found if n in names} - {name}
     return graph
 
 

@@ -17,11 +17,11 @@ from finetune.internals import demo
 
 single = load_script("single-gpu.py")
 KINDS = {  # name: the PairLoss (and flags) each is checked with
-    "sigmoid+sft": loss.PairLoss("sigmoid", beta=0.5, sft_weight=0.5),
-    "robust": loss.PairLoss("robust", beta=0.5, label_smoothing=0.2),
-    "ipo": loss.PairLoss("ipo", beta=0.5),
-    "simpo": loss.PairLoss("simpo", beta=2.0, simpo_gamma=0.7),
-    "orpo": loss.PairLoss("orpo", beta=0.5, sft_weight=0.25),
+    "sigmoid+sft": preference.PairLoss("sigmoid", beta=0.5, sft_weight=0.5),
+    "robust": preference.PairLoss("robust", beta=0.5, label_smoothing=0.2),
+    "ipo": preference.PairLoss("ipo", beta=0.5),
+    "simpo": preference.PairLoss("simpo", beta=2.0, simpo_gamma=0.7),
+    "orpo": preference.PairLoss("orpo", beta=0.5, sft_weight=0.25),
 }
 
 

@@ -76,29 +76,29 @@ def test_a_pair_longer_than_the_block_loses_the_answers_ends_then_the_prompts_mi
     prompt's middle, its head (the BOS, a system turn) and its end (the question) kept; a pair that does not fit even
     so is dropped. Packed (one row) the prompt is held once and its last token twice; with --packing none each
     sequence is a row of its own. (Floor and head of 2 tokens here: 16 in use.)"""
-    monkeypatch.setattr(preference, "ANSWER_FLOOR", 2)
-    monkeypatch.setattr(preference, "PROMPT_HEAD", 2)
+    monkeypatch.setattr(preference.rows, "ANSWER_FLOOR", 2)
+    monkeypatch.setattr(preference.rows, "PROMPT_HEAD", 2)
     seq = lambda prompt, answer: (list(range(prompt)) + [100 + i for i in range(answer)], [0] * prompt + [1] * answer)
     c, r = seq(10, 4), (list(range(10)) + [200, 201], [0] * 10 + [1, 1])
     prompt = list(range(10))
     # one row: 10 + 1 + 4 + 2 = 17 tokens
-    assert preference.fit(c, r, 17, "shared") == (c, r, None)
-    (c2, cm2), (r2, rm2), how = preference.fit(c, r, 16, "shared")  # 5 for the answers: the longer gives one
+    assert preference.rows.fit(c, r, 17, "shared") == (c, r, None)
+    (c2, cm2), (r2, rm2), how = preference.rows.fit(c, r, 16, "shared")  # 5 for the answers: the longer gives one
     assert how == "answers" and c2 == prompt + [100, 101, 102] and r2 == prompt + [200, 201]
     assert cm2 == [0] * 10 + [1] * 3 and rm2 == [0] * 10 + [1] * 2
-    (c3, cm3), (r3, _), how = preference.fit(c, r, 10, "shared")  # answers at their floor, 5 of the prompt left
+    (c3, cm3), (r3, _), how = preference.rows.fit(c, r, 10, "shared")  # answers at their floor, 5 of the prompt left
     assert how == "prompt" and c3 == [0, 1, 7, 8, 9, 100, 101] and r3 == [0, 1, 7, 8, 9, 200, 201]
     assert cm3 == [0] * 5 + [1] * 2
-    assert preference.fit(c, r, 6, "shared") == (None, None, "dropped")  # not the head, a last token, 2 + 2
+    assert preference.rows.fit(c, r, 6, "shared") == (None, None, "dropped")  # not the head, a last token, 2 + 2
     # rows apart: each row 10 + its answer
-    assert preference.fit(c, r, 14, "rows") == (c, r, None)
-    (c4, _), (r4, _), how = preference.fit(c, r, 12, "rows")
+    assert preference.rows.fit(c, r, 14, "rows") == (c, r, None)
+    (c4, _), (r4, _), how = preference.rows.fit(c, r, 12, "rows")
     assert how == "answers" and c4 == prompt + [100, 101] and r4 == r[0]
-    (c5, _), (r5, _), how = preference.fit(c, r, 8, "rows")
+    (c5, _), (r5, _), how = preference.rows.fit(c, r, 8, "rows")
     assert how == "prompt" and c5 == [0, 1, 6, 7, 8, 9, 100, 101] and r5 == [0, 1, 6, 7, 8, 9, 200, 201]
-    assert preference.fit(c, r, 4, "rows") == (None, None, "dropped")
-    assert preference.pair_document(c, r, True) == (c[0] + [9, 200, 201], [4] * 9 + [0] + [1] * 4 + [2, 1, 1])
-    assert preference.pair_document(c, r, False) == (c[0] + r[0], c[1] + [2] + r[1][1:])  # --packing none
+    assert preference.rows.fit(c, r, 4, "rows") == (None, None, "dropped")
+    assert preference.rows.pair_document(c, r, True) == (c[0] + [9, 200, 201], [4] * 9 + [0] + [1] * 4 + [2, 1, 1])
+    assert preference.rows.pair_document(c, r, False) == (c[0] + r[0], c[1] + [2] + r[1][1:])  # --packing none
 
 
 @pytest.mark.quick
@@ -120,7 +120,7 @@ def test_long_prompts_keep_their_first_tokens(pairs, tmp_path):
         for chosen, chosen_flags, rejected, _ in found:
             prompt = tuple(t for t, f in zip(chosen, chosen_flags) if not f)
             assert prompt in whole and rejected[: len(prompt)] == list(prompt)
-            assert len(chosen) - len(prompt) >= preference.ANSWER_FLOOR
+            assert len(chosen) - len(prompt) >= preference.rows.ANSWER_FLOOR
 
 
 @pytest.mark.quick
@@ -143,7 +143,7 @@ def test_a_shared_prompt_gives_each_sequence_its_own_logits_under_a_sliding_wind
     )
     model = MistralForCausalLM(config).eval()
     prompt, a, b = [5, 6, 7, 8, 9, 10], [30, 31, 32, 33], [40, 41]
-    ids, flags = preference.pair_document((prompt + a, [0] * 6 + [1] * 4), (prompt + b, [0] * 6 + [1] * 2), True)
+    ids, flags = preference.rows.pair_document((prompt + a, [0] * 6 + [1] * 4), (prompt + b, [0] * 6 + [1] * 2), True)
     split = blocks.Blocks.__new__(blocks.Blocks)  # one block holding the pair, as write_split lays it out
     split.tokens, split.flags = np.array(ids, np.int32), np.array(flags, np.uint8) | [blocks.DOC_START] + [0] * 12
     split.starts, split.lengths, split.predicted, split.pieces = (np.array([x]) for x in (0, len(ids), 1, 0))
@@ -242,7 +242,7 @@ def test_the_loss_and_its_gradient_are_the_formulas_packed_or_not_chunked_or_not
             model = loss.CausalLMLoss(
                 AutoModelForCausalLM.from_pretrained(pairs["model"], attn_implementation="sdpa"),
                 chunk,
-                loss.PairLoss(beta=0.5),
+                preference.PairLoss(beta=0.5),
             )
             preference.without_dropout(model)
             blocks_all = np.arange(len(train))
