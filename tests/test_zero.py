@@ -230,28 +230,35 @@ def test_fp16_under_zero_tracks_the_single_process_fp16_run(tiny, tmp_path, monk
         assert_close_losses(two["grad_norms"], resumed["grad_norms"], rtol=1e-6)
 
 
-@pytest.mark.parametrize("stage, mends", [(0, "none"), (2, "none"), (3, "none"), (1, "0.19.9")])
-def test_deepspeeds_own_code_trains_the_same_without_the_mends(tiny, tmp_path, reference, stage, mends):
-    """--mends none: DeepSpeed's own code at every stage, its speed mends and fixes off (in fp32 only one fix
-    concerns a step: ZeRO-0's dropped norm), trains to the single process's losses; one line says what is off. A
-    DeepSpeed the mends were not written for (its version string fed: tests/as_deepspeed.py) trains too: its speed
-    mends off, the fixes whose defect its source still holds on, one line naming them."""
-    out = tmp_path / "run"
-    argv = base_args(tiny, out, **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage}) + ["--deepspeed"]
-    if mends == "none":
-        run = check(launch("forked", ZERO, argv + ["--mends", "none"]))
-        assert "--mends none: DeepSpeed's own code where" in run.stdout
-    else:
-        run = check(launch("forked", "tests/as_deepspeed.py", [mends, ZERO, *argv]))
-        assert f"DeepSpeed {mends} is not the 0.19.8 the mends were written for: its own code runs where" in run.stdout
-        assert "on, its defect found: checkpoints_load_no_code" in run.stdout
-    r, (ref, ref_weights) = results(out), reference()
-    assert_close_losses(ref["losses"], r["losses"])
-    if stage == 0:  # DeepSpeed drops ZeRO-0's norm (clip_keeps_the_norm_at_stage0 keeps it)
-        assert all(math.isnan(n) for n in r["grad_norms"])
-    else:
-        assert_close_losses(ref["grad_norms"], r["grad_norms"])
-    assert_same_weights(ref_weights, weights(out / "final"))
+def test_deepspeeds_own_code_trains_the_same_without_the_mends(tiny, tmp_path, reference):
+    """--mends none: DeepSpeed's own code at every stage, its speed mends and fixes off (in fp32 only one fix concerns
+    a step: ZeRO-0's dropped norm), trains to the single process's losses; one line says what is off. The four runs
+    in one launch, one after the other in the same processes (tests/zero_runs.py): each takes back what its mends
+    changed for the process, so the next starts from DeepSpeed's own code. A DeepSpeed the mends were not written for
+    (its version string fed: tests/as_deepspeed.py) trains too: its speed mends off, the fixes whose defect its source
+    still holds on, one line naming them."""
+    argv = lambda stage: (
+        base_args(tiny, tmp_path / f"zero-{stage}", **{"--batch-size": 2, "--grad-accum": 2, "--zero-stage": stage})
+        + ["--deepspeed"]
+    )
+    (tmp_path / "runs.json").write_text(json.dumps([argv(stage) + ["--mends", "none"] for stage in (0, 1, 2, 3)]))
+    run = check(launch("forked", "tests/zero_runs.py", [str(tmp_path / "runs.json")], timeout=900))
+    assert run.stdout.count("--mends none: DeepSpeed's own code where") == 4
+    out = tmp_path / "another-deepspeed"
+    run = check(
+        launch("forked", "tests/as_deepspeed.py", ["0.19.9", ZERO, *argv(1)[:-1], f"--output-dir={out}", "--deepspeed"])
+    )
+    assert "DeepSpeed 0.19.9 is not the 0.19.8 the mends were written for: its own code runs where" in run.stdout
+    assert "on, its defect found: checkpoints_load_no_code" in run.stdout
+    ref, ref_weights = reference()
+    for stage, folder in [(0, "zero-0"), (1, "zero-1"), (2, "zero-2"), (3, "zero-3"), (1, "another-deepspeed")]:
+        r = results(tmp_path / folder)
+        assert_close_losses(ref["losses"], r["losses"])
+        if stage == 0:  # DeepSpeed drops ZeRO-0's norm (clip_keeps_the_norm_at_stage0 keeps it)
+            assert all(math.isnan(n) for n in r["grad_norms"])
+        else:
+            assert_close_losses(ref["grad_norms"], r["grad_norms"])
+        assert_same_weights(ref_weights, weights(tmp_path / folder / "final"))
 
 
 def test_fp16_overflows_skip_the_same_steps_on_any_number_of_ranks(tiny, tmp_path):
