@@ -14,124 +14,32 @@ on an H100 the planned peaks were 2-7% under the measured. Where DeepSpeed's own
 source, the source wins (docs/planner.md).
 """
 import argparse
+import dataclasses
 import json
 import math
 import sys
 import warnings
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, OPTConfig
-
-from finetune import models, quantization
+from finetune import flags, quantization
 from finetune.hardware import experts_per_token
 from finetune.internals import memory
-from finetune.zero_config import swap_buffer_elements, tuned_values, zero3_layers
+from finetune.internals.model_shapes import (  # noqa: F401
+    active_parameters,
+    count_params,
+    layer_params,
+    load_config,
+    parameters,
+    quantization_constants,
+)
+from finetune.zero_config import swap_buffer_elements, tuned_values
 
 GiB = 2**30
-# Published OPT shapes (hidden, layers, heads, FFN), so the planner works offline for these ids.
-OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096), "opt-1.3b": (2048, 24, 32, 8192),
-              "opt-2.7b": (2560, 32, 32, 10240), "opt-6.7b": (4096, 32, 32, 16384), "opt-13b": (5120, 40, 40, 20480),
-              "opt-30b": (7168, 48, 56, 28672), "opt-66b": (9216, 64, 72, 36864)}
 HEADROOM = 0.9  # of GPU memory usable by tensors: the CUDA context, allocator fragmentation and buffers take the rest
 REUSE_DISTANCE = 1e9  # ds_config_zero3.json's stage3_max_reuse_distance: gathered parameters kept this long
 SUB_GROUP = MAX_IN_CPU = 10**9  # ZeRO-3's sub_group_size, offload_param.max_in_cpu (DeepSpeed's defaults)
 ZERO2_BUCKET = 2.5e7  # ZeRO-1/2's reduce bucket: max(hidden^2, this) elements (zero_config.py), in backward only
 OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO-3 + CPU offload",
            "ZeRO-3 + NVMe offload"]  # fastest first
-
-
-def llama_3_2_1b():
-    """Llama-3.2-1B's published config (its values), so that its shape is planned and benchmarked offline."""
-    from transformers import LlamaConfig
-    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
-                                     "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})
-
-
-def load_config(name):
-    """The model's config: the published OPT shapes and Llama-3.2-1B's offline, else a local folder or the hub."""
-    if name == "meta-llama/Llama-3.2-1B":
-        return llama_3_2_1b()
-    shape = OPT_SHAPES.get(name.split("/")[-1]) if name.startswith("facebook/") else None
-    if shape:
-        hidden, layers, heads, ffn = shape
-        return OPTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, ffn_dim=ffn,
-                         word_embed_proj_dim=512 if name.endswith("350m") else hidden, max_position_embeddings=2048)
-    try:
-        return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError):
-        sys.exit(f"error: cannot load a config for {name!r} (not a local folder, and the hub did not answer); "
-                 f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}, "
-                 f"meta-llama/Llama-3.2-1B")
-
-
-_BUILT = {}  # meta_model's: (config, LoRA rank, targets) -> (model, quantized weights)
-
-
-def meta_model(config, lora_rank=0, lora_targets="all-linear"):
-    """(the model built on the meta device, nothing allocated, with the adapters peft would add for LoRA; the weights
-    bitsandbytes would quantize), built once for each shape: plan() asks up to four times, and a 70B model takes
-    seconds to build."""
-    key = (config.to_json_string(), lora_rank, lora_targets)
-    if key not in _BUILT:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-            quantized = [m.weight for m in quantized_layers(model)]  # before the adapters wrap the layers
-            if lora_rank:  # the adapters the scripts add (finetune/models.py: the experts' too, in a mixture of them)
-                from peft import LoraConfig, get_peft_model
-                targets, experts = models.lora_targets(model, lora_targets)
-                model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules=targets,
-                                                         target_parameters=experts, task_type="CAUSAL_LM"))
-        _BUILT[key] = model, quantized
-    return _BUILT[key]
-
-
-def parameters(config, lora_rank=0, lora_targets="all-linear", bits=None, precision="bf16"):
-    """(numel, trainable) of every parameter tensor (tied ones once); with LoRA, the adapters (trainable) and the base
-    (frozen). With `bits` (--load-in-4bit/8bit) a weight bitsandbytes holds counts as what is stored: its packed
-    bytes in elements of the run's precision (4 bits: the scripts store them in that dtype, bnb_4bit_quant_storage;
-    8 bits: int8 bytes in such units)."""
-    model, quantized = meta_model(config, lora_rank, lora_targets)
-    quantized = {id(w) for w in quantized} if bits else set()
-    b = 4 if precision in ("fp32", "tf32") else 2
-    held = lambda p: p.numel() if id(p) not in quantized else math.ceil(p.numel() / (2 * b)) if bits == 4 \
-        else p.numel() / b
-    return list({id(p): (held(p), p.requires_grad) for p in model.parameters()}.values())
-
-
-def layer_params(config, lora_rank=0, lora_targets="all-linear"):
-    """The parameters of the model's largest transformer layer (ZeRO-3's leaf, its buckets' size), or None (LoRA: its
-    layers are not leaves, zero_config.zero3_layers)."""
-    return zero3_layers(meta_model(config, lora_rank, lora_targets)[0], whole_layers=not lora_rank)[1]
-
-
-def quantized_layers(model):
-    """The layers from_pretrained gives bitsandbytes (transformers' own choice, quantizers/: every nn.Linear and
-    Conv1D but the output head, what it ties, and the model's fp32 modules)."""
-    from transformers.pytorch_utils import Conv1D
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    skip = HfQuantizer.get_modules_to_not_convert(model, None, model._keep_in_fp32_modules)
-    return [m for name, m in model.named_modules()
-            if (type(m) is torch.nn.Linear or isinstance(m, Conv1D)) and should_convert_module(name, skip)]
-
-
-def quantization_constants(config, bits, lora_rank=0, lora_targets="all-linear"):
-    """(bytes every rank holds whole beside a quantized base: the scales; ZeRO-3 partitions the packed weights, not
-    these, the largest quantized weight's values: the one dequantized copy a forward makes at a time)."""
-    sizes = [(w.numel(), w.shape[0]) for w in meta_model(config, lora_rank, lora_targets)[1]]
-    packed = lambda n: n if bits == 8 else math.ceil(n / 2)  # counted as parameters (parameters())
-    return sum(quantization.stored_bytes(n, bits, out, storage=1) - packed(n) for n, out in sizes), \
-        max((n for n, _ in sizes), default=0)
-
-
-def count_params(config):
-    """(all parameters, tied ones once; the largest number held directly by one module)."""
-    params = parameters(config)
-    return sum(n for n, _ in params), max(n for n, _ in params)
 
 
 def model_states(params, hidden, precision, ranks, option, *, layer=None):
@@ -208,16 +116,6 @@ def norm_copy_bytes(params, ranks):
     return 8 * min(max(trainable, default=0), math.ceil(sum(trainable) / ranks))
 
 
-def active_parameters(config):
-    """Parameters a token goes through: in a mixture of experts, the fused experts' weights (experts x in x out) count
-    for the experts_per_tok of them; None for a model without experts."""
-    experts, k = experts_per_token(config)
-    if not experts:
-        return None
-    unique = {id(p): p for p in meta_model(config)[0].parameters()}.values()
-    return sum(p.numel() * k // experts if p.dim() == 3 and p.shape[0] == experts else p.numel() for p in unique)
-
-
 def activations(batch, seq, config, precision, *, checkpointing, loss_chunk, sequence_parallel=1, autocast=False):
     """Peak bytes of activations per GPU: what a layer keeps for its backward pass (memory.layer_bytes: counted for
     this model and precision; where it cannot be, Korthikanti et al.'s 34·s·b·h in 16 bits, twice that in fp32, 19 of
@@ -254,7 +152,50 @@ def logits_bytes(tokens, vocab, precision, loss_chunk):
     return tokens * vocab * (14 if sixteen else 12)
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster(flags.Piece):
+    """plan.py's own flags: the machines it plans for (the rest are the scripts' own, finetune/flags.py)."""
+    gpus: int = flags.flag(None, "GPUs per node", required=True)
+    nodes: int = flags.flag(1)
+    gpu_memory: float = flags.flag(None, "GiB per GPU", required=True)
+    cpu_memory: float | None = flags.flag(None, "GiB of CPU memory per node (checked when given)")
+    json: bool = flags.flag(False, "one JSON object instead of the table")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What plan() plans for, flat: the run's flags as the scripts take them, and the machines."""
+    model: str
+    precision: str
+    batch_size: int
+    block_size: int
+    gradient_checkpointing: bool
+    sequence_parallel: int
+    loss_chunk: int
+    lora_rank: int
+    lora_targets: str
+    load_in_4bit: bool
+    load_in_8bit: bool
+    gpus: int
+    nodes: int
+    gpu_memory: float
+    cpu_memory: float | None
+    json: bool
+
+    @classmethod
+    def of(cls, config, cluster):
+        """From the scripts' pieces (flags.Config) and the Cluster."""
+        pieces = [config.model, config.train, config.data, config.zero, cluster]
+        values = {k: v for piece in pieces for k, v in vars(piece).items()}
+        return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+
+
+MODEL = ("model", "precision", "gradient_checkpointing", "loss_chunk", "lora_rank", "lora_targets", "load_in_4bit",
+         "load_in_8bit")
+
+
 def plan(args):
+    """(the model's config, its parameters, a row per option); `args`: a Request."""
     config = load_config(args.model)
     params = parameters(config, args.lora_rank, args.lora_targets)
     bits = quantization.bits(args)  # QLoRA: the frozen base as bitsandbytes stores it, its scales beside it
@@ -326,23 +267,17 @@ def recommend(rows, gpus, nodes):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="hub id, local folder, or facebook/opt-* (known offline)")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
-    p.add_argument("--cpu-memory", type=float, help="GiB of CPU memory per node (checked when given)")
-    p.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16", "fp16"])
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per GPU per micro-step")
-    p.add_argument("--block-size", type=int, default=512, help="tokens per sequence")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--sequence-parallel", type=int, default=1, help="each sequence split over N GPUs (Ulysses)")
-    p.add_argument("--loss-chunk", type=int, default=1024, help="as the scripts' flag (0: all logits at once)")
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (0: full fine-tuning)")
-    p.add_argument("--lora-targets", default="all-linear")
-    p.add_argument("--load-in-4bit", action="store_true", help="QLoRA: the frozen base in 4 bits (NF4)")
-    p.add_argument("--load-in-8bit", action="store_true", help="the frozen base in 8 bits (LLM.int8)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-    args = p.parse_args(argv)
+    # the scripts' flags where they mean the same (finetune/flags.py: --model, --precision, --batch-size, ...), the
+    # machines' own (Cluster); planned in bf16 unless --precision says otherwise
+    flags.add_flags(p, flags.Model.taking(*MODEL), flags.Train.taking("batch_size"), flags.Data.taking("block_size"),
+                    flags.Zero.taking("sequence_parallel"), Cluster, model=None, precision="bf16")
+    parsed = p.parse_args(argv)
+    cluster = Cluster(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(Cluster)})
+    args = Request.of(flags.build(parsed), cluster)
+    if args.model is None:
+        sys.exit("error: pass --model (a hub id or a local folder)")
+    if args.precision == "auto":  # the GPUs planned for: bf16 from Ampere on
+        args = dataclasses.replace(args, precision="bf16")
     warnings.filterwarnings("ignore")  # the libraries' deprecation notes, from building the model on the meta device
     for flag in ("gpus", "nodes", "gpu_memory", "batch_size", "block_size", "sequence_parallel"):
         if getattr(args, flag) <= 0:
