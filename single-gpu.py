@@ -68,7 +68,7 @@ def main(argv=None):
     autocast = hardware.autocast(device, precision)  # bf16, fp16: mixed precision over the fp32 weights
     if config.model.compile:  # in place: the state dict keeps its names: checkpoints, save_pretrained unchanged
         model.compile()
-    compiled = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
+    compiled = training.CompileWarmup(config.model.compile, train.row_tokens, say)  # --compile: one graph
     process = training.Process(device=device, rank=rank, world_size=world_size, autocast=autocast, say=say,
                                pad_id=tokenizer.pad_token_id, model_config=model_config)  # what this process is
     checkpoints.prepare_output_dir(out, config.run.overwrite, rank)  # nothing refuses the run now: --overwrite acts

@@ -80,7 +80,7 @@ def main(argv=None):
     if config.model.compile:  # in place: the state dict keeps its names: checkpoints, save_pretrained unchanged
         model.compile()  # ZeRO: the engine's compile (it turns off what would break the graph)
     mended = mends.mend(model, config.zero.mends, say)  # ZeRO: DeepSpeed's defects and slow paths, by name (--mends)
-    compiled = training.CompileWarmup(config.model.compile, config.data.block_size, say)  # --compile: one graph
+    compiled = training.CompileWarmup(config.model.compile, train.row_tokens, say)  # --compile: one graph
     process = training.Process(device=device, rank=rank, world_size=world_size, autocast=autocast, say=say,
                                pad_id=tokenizer.pad_token_id, model_config=model_config)  # what this process is
     checkpoints.prepare_output_dir(out, config.run.overwrite, rank)  # nothing refuses the run now: --overwrite acts

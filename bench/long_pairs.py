@@ -44,6 +44,7 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "out" / "long-pairs"))
     p.add_argument("--answer-words", type=int, default=420, help="filler words after each answer's colour")
     p.add_argument("--prompt-words", type=int, default=10, help="filler words after the prompt's colour")
+    p.add_argument("--packing", default="isolated", help="the scripts' --packing: isolated (pairs packed) or none")
     p.add_argument("--lr", default="3e-3")
     p.add_argument("--epochs", default="2")
     args = p.parse_args(argv)
@@ -56,7 +57,7 @@ def main(argv=None):
         texts = [" ".join(json.loads(line).values()) for line in open(train)]
         tokenizer = demo.make_demo_tokenizer(texts, vocab_size=300)
         demo.make_demo_lm(out / "model", tokenizer, hidden=64, layers=2, heads=4, positions=512, seed=0)
-    run = out / f"run-{Path(args.root).resolve().name}-{shape}"
+    run = out / f"run-{Path(args.root).resolve().name}-{shape}-{args.packing}"
     done = subprocess.run(
         [
             sys.executable,
@@ -66,6 +67,7 @@ def main(argv=None):
             f"--eval-dataset={held}",
             "--max-eval-samples=0",
             "--block-size=512",
+            f"--packing={args.packing}",
             "--batch-size=8",
             f"--epochs={args.epochs}",
             f"--lr={args.lr}",
@@ -83,7 +85,7 @@ def main(argv=None):
         sys.exit(f"error: the run failed:\n{done.stderr[-2000:]}")
     start = next(line for line in done.stdout.splitlines() if "pairs in" in line)
     accuracy = re.findall(r"reward accuracy ([0-9.]+)", done.stdout)[-1]
-    print(f"{args.root}: held-out reward accuracy {accuracy}\n  {start}")
+    print(f"{args.root} (--packing {args.packing}): held-out reward accuracy {accuracy}\n  {start}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def best_fit_decreasing(lengths, block_size):
     return doc[order], start[order], length[order], block[order]
 
 
-def write_split(batches, block_size, packing, folder, pairs=False):
+def write_split(batches, row_tokens, packing, folder, pairs=False):
     """The split's blocks, as files: tokens.npy and flags.npy (one entry per token, block after block) and
     blocks.npy (per block: start, length, predicted tokens, and the sum of its segments' squared lengths, which
     counts the attention's work). Written in chunks, so memory stays flat in the corpus size. `pairs`: each document
@@ -57,7 +57,7 @@ def write_split(batches, block_size, packing, folder, pairs=False):
     pairs_total - 1, the index of its reference scores: a row skipped or dropped holds no place)."""
     lengths = write_sources(batches, folder)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    doc, src, n, block = placed(lengths, offsets, block_size, packing, pairs)
+    doc, src, n, block = placed(lengths, offsets, row_tokens, packing, pairs)
     nblocks = int(block[-1]) + 1 if len(block) else 0
     count = lambda index, weights: np.bincount(index, weights, minlength=nblocks).astype(np.int64)
     table = np.zeros((nblocks, 4), dtype=np.int64)  # start, length, predicted tokens, attended
@@ -96,7 +96,8 @@ def write_split(batches, block_size, packing, folder, pairs=False):
     np.save(folder / "blocks.npy", table[table[:, 2] > 0])  # a block with nothing to learn (a long prompt's piece)
     for name in ("source-tokens", "source-loss"):
         (folder / name).unlink()
-    return int((lengths > block_size).sum()) if packing != "stream" else 0  # documents cut
+    return int((lengths > row_tokens).sum()) if packing != "stream" and not pairs else 0  # documents cut (a pair:
+    # preference/rows.py's fit fitted it, and counted it)
 
 
 def write_sources(batches, folder):
@@ -111,20 +112,19 @@ def write_sources(batches, folder):
     return np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)
 
 
-def placed(lengths, offsets, block_size, packing, pairs):
+def placed(lengths, offsets, row_tokens, packing, pairs):
     """(the document of each piece (None for a stream), where it starts in the source, its length, its block), in
-    block order, as --packing places them; each piece starts a segment of its block."""
+    block order, as --packing places them into rows of `row_tokens`; each piece starts a segment of its block."""
     if packing == "isolated":
-        doc, start, n, block = best_fit_decreasing(lengths, block_size)
+        doc, start, n, block = best_fit_decreasing(lengths, row_tokens)
         return doc, offsets[doc] + start, n, block
     if packing == "stream":  # concatenated and cut: each block is one segment, documents see each other
-        src = np.arange(0, offsets[-1], block_size)
-        return None, src, np.minimum(block_size, offsets[-1] - src), np.arange(len(src))
-    # one document per row, cut at block_size (the rest is dropped); a pair's two sequences, a row each later
+        src = np.arange(0, offsets[-1], row_tokens)
+        return None, src, np.minimum(row_tokens, offsets[-1] - src), np.arange(len(src))
+    # one document per row, cut at the row (the rest is dropped); a pair whole, its two sequences a row each later
     keep = lengths > 0
     doc, src = np.flatnonzero(keep), offsets[:-1][keep]
-    n = np.minimum(lengths[keep], 2 * block_size if pairs else block_size)  # (preference/rows.py's fit fitted each)
-    return doc, src, n, np.arange(len(src))
+    return doc, src, lengths[keep] if pairs else np.minimum(lengths[keep], row_tokens), np.arange(len(src))
 
 
 
@@ -181,7 +181,7 @@ class Blocks:
         self.pieces = np.load(folder / "pieces.npy") if self.format == "preference" else None  # pairs, block by block
         self.pairs_total = len(self.pieces) if self.pieces is not None else 0
         self.first_piece = np.cumsum(self.predicted) - self.predicted
-        self.packing = meta["packing"]
+        self.packing, self.row_tokens = meta["packing"], meta["row_tokens"]  # (a row's most tokens)
         self.split_rows = self.pieces is not None and meta["packing"] == "none"  # a pair's sequences: two rows
         self.reference = None  # the pairs' reference log-probabilities (with_reference)
         if len(self.starts) == 0 or self.predicted.sum() == 0:

@@ -23,7 +23,7 @@ from .base import fail
 from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
-VERSION = 6  # of the prepared files' layout: part of the cache key (6: pieces.npy by kept pair)
+VERSION = 7  # of the prepared files' layout: part of the cache key (7: a pair cut as TRL's max_length cuts it)
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
 BATCH = 10_000
@@ -254,6 +254,40 @@ def prepare(data, tokenizer, *, seed, local_rank=0):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE  # as when preparing; saved with the model at the end
     return Blocks(folder / "train", meta), Blocks(folder / "eval", meta)
 
+def _tokenized(split, name, *, fmt, names, data, tokenizer):
+    """One split's documents (preference.documents for pairs): their record batches, read later (_record_batches),
+    what became of each pair, the longest document's tokens, the rows' count and the first 3 rows (examples)."""
+    import datasets
+    import pyarrow.compute as pc
+
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),
+                                  "loss": datasets.Sequence(datasets.Value("uint8")),
+                                  **({"cut": datasets.Value("string")} if fmt == "preference" else {})})
+    rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(data.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
+    if workers > 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (and no fork warning)
+    quiet = datasets.are_progress_bars_disabled()
+    if len(rows) > 20_000:  # a progress bar where it takes a while
+        datasets.enable_progress_bars()
+    docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
+                    num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
+                    fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=data.train_on_prompt,
+                                   block_size=data.block_size, packing=data.packing))
+    if quiet:  # as training.quiet had it
+        datasets.disable_progress_bars()
+    notes = docs["cut"] if fmt == "preference" else []
+    if fmt == "preference" and len(rows) and all(n and not n.startswith("cut") for n in notes):
+        fail(f"no pair of dataset {data.dataset} ({name} split) can be trained on: {preference.counted(notes)}")
+    lengths = pc.list_value_length(docs.data.column("ids"))
+    longest = (pc.max(lengths).as_py() or 0) if len(lengths) else 0
+    batches = _record_batches(docs, ["ids", "loss", "error"])
+    del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
+    return {"batches": batches, "notes": notes, "longest": longest, "rows": len(rows),
+            "examples": [rows[i] for i in range(min(3, len(rows)))]}
+
+
 
 def cache_key(data, tokenizer, seed):
     """What the prepared blocks depend on: the data (a local file's size and time), the tokenizer (its vocabulary,
@@ -272,7 +306,6 @@ def cache_key(data, tokenizer, seed):
 
 
 def _prepare(data, tokenizer, seed, folder, partial):
-    import datasets
 
     if tokenizer.eos_token_id is None:
         fail("the tokenizer has no EOS token; set tokenizer.eos_token before training")
@@ -294,35 +327,22 @@ def _prepare(data, tokenizer, seed, folder, partial):
     if chat and not tokenizer.chat_template:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     meta = {"format": fmt, "columns": names, "chat": chat, "packing": data.packing}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),
-                                  "loss": datasets.Sequence(datasets.Value("uint8")),
-                                  **({"cut": datasets.Value("string")} if fmt == "preference" else {})})
-    for name, split in (("train", train), ("eval", evaluation)):
+    splits = {name: _tokenized(split, name, fmt=fmt, names=names, data=data, tokenizer=tokenizer) for name, split in
+              (("train", train), ("eval", evaluation))}
+    # a row's most tokens: a block; packed pairs, the longest pair's prompt once and both answers if longer (each
+    # sequence within the block, preference/rows.py's fit): up to twice it, the same for both splits
+    longest = max(s["longest"] for s in splits.values())
+    meta["row_tokens"] = max(data.block_size, longest) if fmt == "preference" and data.packing == "isolated" \
+        else data.block_size
+    for name, split in splits.items():
         (partial / name).mkdir(parents=True, exist_ok=True)
-        rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
-        workers = min(data.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
-        if workers > 1:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism (and no fork warning)
-        quiet = datasets.are_progress_bars_disabled()
-        if len(rows) > 20_000:  # a progress bar where it takes a while
-            datasets.enable_progress_bars()
-        docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
-                        num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
-                        fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=data.train_on_prompt,
-                                       block_size=data.block_size, packing=data.packing))
-        if quiet:  # as training.quiet had it
-            datasets.disable_progress_bars()
-        notes = docs["cut"] if fmt == "preference" else []  # what became of each pair (preference.documents)
-        fitted, said = sum(1 for n in notes if n and n.startswith("cut")), preference.counted(notes)
-        if fmt == "preference" and len(rows) and all(n and not n.startswith("cut") for n in notes):
-            fail(f"no pair of dataset {data.dataset} ({name} split) can be trained on: {said}")
-        batches = _record_batches(docs, ["ids", "loss", "error"])
-        del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
-        cut = write_split(_checked(batches, f"dataset {data.dataset} ({name} split)"), data.block_size, data.packing,
-                           partial / name, pairs=fmt == "preference")
-        meta[name] = {"rows": len(rows), "cut": cut + fitted, **({"pairs": said} if fmt == "preference" else {})}
-    meta["examples"] = [rows[i] for i in range(min(3, len(rows)))]  # held out: the eval split's first rows
+        cut = write_split(_checked(split["batches"], f"dataset {data.dataset} ({name} split)"), meta["row_tokens"],
+                          data.packing, partial / name, pairs=fmt == "preference")
+        notes = split["notes"]  # what became of each pair (preference.documents)
+        fitted = sum(1 for n in notes if n and n.startswith("cut"))
+        meta[name] = {"rows": split["rows"], "cut": cut + fitted,
+                      **({"pairs": preference.counted(notes)} if fmt == "preference" else {})}
+    meta["examples"] = splits["eval"]["examples"]
     (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     try:
         partial.rename(folder)

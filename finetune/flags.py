@@ -49,7 +49,7 @@ class Data(Piece):
     completion_column: str | None = flag(None)
     messages_column: str | None = flag(None, "chats, the loss on the assistant's turns only (default: messages)")
     train_on_prompt: bool = flag(False, "the loss on prompts and user turns too")
-    block_size: int = flag(512, "tokens per training sequence")
+    block_size: int = flag(512, "tokens per training sequence (of a preference pair: each, as TRL's max_length)")
     packing: str = flag("isolated", "isolated: whole documents per block, each attending to itself; stream: cut a "
                         "stream", choices=["isolated", "stream", "none"])
     max_train_samples: int = flag(0, "train on the first N rows only (0: all)")

@@ -146,12 +146,12 @@ class CompileWarmup:
     graph runs eagerly instead (torch's compiler stance eager_on_recompile, around each forward), so a run whose shapes
     keep changing never compiles a step (chats on an H200 ran 10x slower compiled than eagerly). With the rows padded
     to the block size and the loss's sizes dynamic (Blocks.batch's `width`), the warm-up compiles one graph. Said once,
-    as the warm-up ends. `width`: what Blocks.batch pads the rows to (None without --compile)."""
+    as the warm-up ends. `width`: what Blocks.batch pads the rows to, a row's most tokens (None without --compile)."""
     STEPS = 3
 
-    def __init__(self, enabled, block_size, say):
+    def __init__(self, enabled, row_tokens, say):
         self.enabled, self.say, self.first = enabled, say, None
-        self.width = block_size if enabled else None
+        self.width = row_tokens if enabled else None
 
     def after_warmup(self, step):
         """The context for step `step`'s forward passes."""

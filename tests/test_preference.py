@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from dpo_pairs import data_args, independent_dpo
+from dpo_pairs import data_args, dpo_args, independent_dpo, single
 from helpers import (
     cpu_process,
     load_script,
@@ -72,33 +72,68 @@ def test_formats_are_found_from_the_columns_and_each_pair_is_packed_whole(pairs)
 
 @pytest.mark.quick
 def test_a_pair_longer_than_the_block_loses_the_answers_ends_then_the_prompts_middle(monkeypatch):
-    """TRL's order, and better: the answers' ends first (the longer first), down to a floor of each; then the
-    prompt's middle, its head (the BOS, a system turn) and its end (the question) kept; a pair that does not fit even
-    so is dropped. Packed (one row) the prompt is held once and its last token twice; with --packing none each
-    sequence is a row of its own. (Floor and head of 2 tokens here: 16 in use.)"""
+    """--block-size bounds each sequence, the prompt and one answer, as TRL's max_length does, packed or not: a longer
+    one loses its answer's end, down to a floor; then the prompt's middle, its head (the BOS, a system turn) and its
+    end (the question) kept; a pair that does not fit even so is dropped. Packed, the pair's row holds the prompt once
+    and its last token twice (up to twice the block); with --packing none each sequence is a row of its own. (Floor
+    and head of 2 tokens here: 16 in use.)"""
     monkeypatch.setattr(preference.rows, "ANSWER_FLOOR", 2)
     monkeypatch.setattr(preference.rows, "PROMPT_HEAD", 2)
     seq = lambda prompt, answer: (list(range(prompt)) + [100 + i for i in range(answer)], [0] * prompt + [1] * answer)
     c, r = seq(10, 4), (list(range(10)) + [200, 201], [0] * 10 + [1, 1])
     prompt = list(range(10))
-    # one row: 10 + 1 + 4 + 2 = 17 tokens
-    assert preference.rows.fit(c, r, 17, "shared") == (c, r, None)
-    (c2, cm2), (r2, rm2), how = preference.rows.fit(c, r, 16, "shared")  # 5 for the answers: the longer gives one
-    assert how == "answers" and c2 == prompt + [100, 101, 102] and r2 == prompt + [200, 201]
-    assert cm2 == [0] * 10 + [1] * 3 and rm2 == [0] * 10 + [1] * 2
-    (c3, cm3), (r3, _), how = preference.rows.fit(c, r, 10, "shared")  # answers at their floor, 5 of the prompt left
-    assert how == "prompt" and c3 == [0, 1, 7, 8, 9, 100, 101] and r3 == [0, 1, 7, 8, 9, 200, 201]
-    assert cm3 == [0] * 5 + [1] * 2
-    assert preference.rows.fit(c, r, 6, "shared") == (None, None, "dropped")  # not the head, a last token, 2 + 2
-    # rows apart: each row 10 + its answer
-    assert preference.rows.fit(c, r, 14, "rows") == (c, r, None)
-    (c4, _), (r4, _), how = preference.rows.fit(c, r, 12, "rows")
-    assert how == "answers" and c4 == prompt + [100, 101] and r4 == r[0]
-    (c5, _), (r5, _), how = preference.rows.fit(c, r, 8, "rows")
+    assert preference.rows.fit(c, r, 14) == (c, r, None)  # each sequence 10 + its answer: 14, 12
+    (c4, cm4), (r4, _), how = preference.rows.fit(c, r, 12)
+    assert how == "answers" and c4 == prompt + [100, 101] and cm4 == [0] * 10 + [1] * 2 and r4 == r[0]
+    (c5, cm5), (r5, _), how = preference.rows.fit(c, r, 8)  # answers at their floor, 6 of the prompt left
     assert how == "prompt" and c5 == [0, 1, 6, 7, 8, 9, 100, 101] and r5 == [0, 1, 6, 7, 8, 9, 200, 201]
-    assert preference.rows.fit(c, r, 4, "rows") == (None, None, "dropped")
-    assert preference.rows.pair_document(c, r, True) == (c[0] + [9, 200, 201], [4] * 9 + [0] + [1] * 4 + [2, 1, 1])
+    assert cm5 == [0] * 6 + [1] * 2
+    assert preference.rows.fit(c, r, 4) == (None, None, "dropped")  # not the head, a last token and a floor
+    packed = preference.rows.pair_document(c, r, True)  # 17 tokens: more than a block of 14, within two
+    assert packed == (c[0] + [9, 200, 201], [4] * 9 + [0] + [1] * 4 + [2, 1, 1])
     assert preference.rows.pair_document(c, r, False) == (c[0] + r[0], c[1] + [2] + r[1][1:])  # --packing none
+
+
+@pytest.mark.quick
+def test_packed_pairs_are_cut_only_where_trl_would_cut_them(pairs, tmp_path):
+    """The issue's case, small: a prompt and two answers longer than the block together, each sequence within it.
+    TRL's max_length cuts none of them, and neither does packing now (before: every pair, at its answers' ends);
+    packed, each pair's log-probabilities under the model are those of the pairs one sequence a row (the reference
+    pass of each layout, 1e-5)."""
+    tok = pairs["tokenizer"]
+    rows = [
+        {"prompt": f"Q{i} " + " ".join(["the"] * 30), "chosen": " was" * (40 + i), "rejected": " good" * (45 - i)}
+        for i in range(8)
+    ]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = [len(tok(r["prompt"] + r["chosen"])["input_ids"]) + 1 for r in rows]
+    assert max(lengths) < 96 < min(lengths) + 40  # each sequence within the block, the pair beyond it
+    references = {}
+    for packing in ("isolated", "none"):
+        out = tmp_path / packing
+        single.main(
+            dpo_args(
+                pairs,
+                out,
+                **{
+                    "--dataset": str(path),
+                    "--eval-dataset": str(path),
+                    "--block-size": 96,
+                    "--packing": packing,
+                    "--max-steps": 1,
+                    "--batch-size": 2,
+                },
+            )
+        )
+        references[packing] = torch.load(out / "reference.pt", weights_only=True)
+        prepared = data.prepare(data_args(path, block_size=96, packing=packing, eval_dataset=str(path)), tok, seed=0)
+        assert prepared[0].cut == 0 and "cut" not in prepared[0].describe(packing)
+        if packing == "isolated":  # rows as long as the longest pair, a pair a row here, in both splits
+            assert prepared[0].row_tokens == prepared[1].row_tokens == prepared[0].lengths.max() > 96
+            assert len(prepared[0]) == 8
+    for split in ("train", "eval"):
+        torch.testing.assert_close(references["isolated"][split], references["none"][split], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.quick

@@ -8,9 +8,10 @@ A pair is one document of the prepared files: the chosen sequence, then the reje
 its own, so packing places pairs whole and every micro-batch holds whole pairs. With isolated packing the rejected
 sequence holds only the prompt's last token and its answer, and attends to the rest of the prompt where the chosen
 sequence holds it (pair_document): the prompt is computed once. A sequence's log-probability is the sum over its
-answer's tokens (the loss mask). A pair longer than the block loses the answers' ends first (the longer first, as TRL
-cuts a sequence at its end), then, with the answers at a floor, the prompt's middle (its start and its end kept);
-one that cannot fit even so is dropped, one with nothing to prefer skipped: each counted and said at start (fit).
+answer's tokens (the loss mask). --block-size bounds each sequence, the prompt and one answer, as TRL's max_length
+does (a packed pair's row holds up to twice it): a longer one loses its answer's end (as TRL cuts a sequence at its
+end), then, with the answers at a floor, the prompt's middle (its start and its end kept); one that cannot fit even
+so is dropped, one with nothing to prefer skipped: each counted and said at start (fit).
 """
 import collections
 
@@ -85,22 +86,19 @@ ANSWER_FLOOR = 16  # tokens of each answer kept at least (all of a shorter one) 
 PROMPT_HEAD = 16  # the prompt's first tokens (the BOS, a system turn's start), never cut
 
 
-def fit(chosen, rejected, block_size, layout="shared"):
-    """The pair's two (ids, mask) cut to fit, and how: (chosen, rejected, None) whole; (..., "answers") the answers'
-    ends cut, the longer first, as TRL cuts a sequence at its end; (..., "prompt") the answers cut to ANSWER_FLOOR
-    tokens and the prompt's middle cut (its first PROMPT_HEAD tokens and its end, the question and the turn's
-    header, kept); (None, None, "dropped") when not even that fits. layout: "shared" (isolated packing: one row, the
-    prompt once and its last token twice, pair_document) or "rows" (--packing none: each sequence its own row)."""
+def fit(chosen, rejected, block_size):
+    """The pair's two (ids, mask) cut so that each sequence, the prompt and one answer, holds at most `block_size`
+    tokens (TRL's max_length: packed or not, --block-size means what it means there), and how: (chosen, rejected,
+    None) whole; (..., "answers") an answer's end cut, as TRL cuts a sequence at its end; (..., "prompt") the answers
+    cut to ANSWER_FLOOR tokens and the prompt's middle cut (its first PROMPT_HEAD tokens and its end, the question and
+    the turn's header, kept); (None, None, "dropped") when not even that fits. Packed, a pair's row holds the prompt
+    once and both answers: up to twice the block (pair_document; blocks.write_split)."""
     (c, cm), (r, rm) = chosen, rejected
     p = prompt_length(chosen, rejected)
     a, b = len(c) - p, len(r) - p
 
-    def answers_beside(n):  # the most each answer keeps beside a prompt of n tokens, the longer cut first
-        if layout == "rows":
-            return min(a, block_size - n), min(b, block_size - n)
-        room = block_size - n - min(n, 1)
-        longer = min(a, max(-(-room // 2), room - b))
-        return longer, min(b, room - longer)
+    def answers_beside(n):  # the most each answer keeps beside a prompt of n tokens
+        return min(a, block_size - n), min(b, block_size - n)
 
     def keep(ids, mask, head, tail, n):  # the prompt's first `head` and last `tail` tokens, then n of the answer
         return ids[:head] + ids[p - tail:p + n], mask[:head] + mask[p - tail:p + n]
@@ -111,7 +109,7 @@ def fit(chosen, rejected, block_size, layout="shared"):
     a2, b2 = answers_beside(p)
     if a2 >= floor_a and b2 >= floor_b:
         return keep(c, cm, p, 0, a2), keep(r, rm, p, 0, b2), "answers"
-    n = block_size - max(floor_a, floor_b) if layout == "rows" else block_size - floor_a - floor_b - 1
+    n = block_size - max(floor_a, floor_b)
     head = min(PROMPT_HEAD, p - 1)
     if p < 2 or n < head + 1:  # not even the prompt's head, its last token and a floor of each answer
         return None, None, "dropped"
@@ -142,7 +140,7 @@ def documents(rows, tokenizer, block_size, chat_document, share=False):
         if error is None:
             try:
                 c, r = (sequence(tokenizer, prompt, answer, chat_document) for answer in (chosen, rejected))
-                c, r, how = fit(c, r, block_size, "shared" if share else "rows")
+                c, r, how = fit(c, r, block_size)
                 if how == "dropped":
                     note = f"dropped: longer than --block-size {block_size} with {PROMPT_HEAD} prompt tokens and " \
                            f"{ANSWER_FLOOR} of each answer"
