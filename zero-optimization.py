@@ -50,18 +50,16 @@ def main(argv=None):
     config = flags.check(config, getattr(model_config, "max_position_embeddings", None))  # one line if bad; --resume
     out = checkpoints.output_dir(config.run)  # refused in one line where the flags would lose a run there
     torch.manual_seed(config.train.seed)
-
     # -------------------------------------------------------------------------------- data
     tokenizer = models.load_tokenizer(config.model.model, **remote)
     # tokenized and packed once per node, then mapped
     train, evals = data.prepare(config.data, tokenizer, seed=config.train.seed, local_rank=local_rank)
-    config = config.resolved(lr=preference.learning_rate(config.train.lr, train.format, config.model.lora_rank))
+    config = preference.resolved(config, train.format)  # the data's loss (pairs: DPO; unpaired rows: KTO), its LR
     global_batch = config.train.batch_size * config.train.grad_accum * world_size  # sequences per optimizer step
     global_batch //= config.sequence_parallel  # ZeRO: the ranks of a sequence-parallel group share their rows
     batches = training.GlobalBatches(len(train), global_batch, config.train.seed)
     total_steps = config.train.max_steps or math.ceil(config.train.epochs * batches.steps_per_epoch)
     warmup_steps = math.ceil(config.train.warmup_ratio * total_steps)  # rounded up, as the HF Trainer does
-
     # -------------------------------------------------------------------------------- model and optimizer
     # ZeRO: fill the JSON's "auto" values from the flags; the engine builds the optimizer it names
     ds_config = zero_config.deepspeed_config(config, world_size, total_steps, warmup_steps, model_config)
@@ -103,10 +101,12 @@ def main(argv=None):
     for step in bar:
         indices = batches(step)  # the global batch: the same sequences whatever the number of ranks
         predicted = int(train.predicted[indices].sum())  # tokens that carry loss in the whole global batch
+        micro_batches = indices.view(config.train.grad_accum, -1, config.train.batch_size)  # ZeRO: every rank's,
+        micro_batches = micro_batches[:, rank // config.zero.sequence_parallel]  # ZeRO: and this rank's share
+        kl = preference.kl_point(model, train, micro_batches, process) if train.format == "unpaired" else None  # KTO
         step_loss = torch.zeros((), device=device)
-        for micro in indices.view(config.train.grad_accum, -1):
-            share = micro.view(-1, config.train.batch_size)[rank // config.zero.sequence_parallel]  # ZeRO: its share
-            inputs, targets = train.batch(share, process, width=compiled.width, sequence_shard=shard)  # ZeRO
+        for micro in micro_batches:
+            inputs, targets = train.batch(micro, process, width=compiled.width, kl=kl, sequence_shard=shard)  # ZeRO
             with autocast, compiled.after_warmup(step):  # --compile: after its warm-up, no more graphs
                 summed = model(inputs=inputs, targets=targets)  # the batch's summed loss (loss.CausalLMLoss)
                 batch_loss = summed.loss / predicted

@@ -132,12 +132,16 @@ class Targets(NamedTuple):
     """What the loss takes of a batch beside the model's inputs (Blocks.batch): the labels, shifted (-100: no loss),
     and the flat index of the positions that carry loss. Preference pairs add each predicted token's answer (2 a
     pair: chosen, rejected), the count of pairs, and their reference log-probabilities (None while those are
-    scored: the loss then returns the answers' log-probabilities)."""
+    scored: the loss then returns the answers' log-probabilities). Unpaired rows (KTO: a pair's answers are the
+    completion and the KL completion) add whether each completion is desirable, and the KL term of the batch's step
+    (preference.kl_point)."""
     labels: Any
     index: Any
     sequence: Any = None
     pairs: int = 0
     reference: Any = None
+    desirable: Any = None
+    kl: Any = None
 
     @property
     def counted(self):
@@ -169,6 +173,7 @@ class Blocks:
     """A prepared split, memory-mapped. Per block: `lengths` (tokens), `predicted` (tokens that carry loss) and
     `attended` (the tokens each token attends to, summed: for the FLOPs count), known up front, so the loss
     normalization and the throughput figures need no device synchronization."""
+    desirable = None  # unpaired rows (KTO): whether each unit's completion is desirable, by its place
 
     def __init__(self, folder, meta):
         self.tokens = np.memmap(folder / "tokens.bin", np.int32, "r") if (folder / "tokens.bin").stat().st_size else []
@@ -178,8 +183,11 @@ class Blocks:
         self.format, self.examples, self.cut = meta["format"], meta.get("examples", []), meta[folder.name]["cut"]
         self.pairs_said = meta[folder.name].get("pairs", "")  # preference pairs cut, dropped, skipped: counted
         self.source = f"{folder.parent.name}/{folder.name}"  # the prepared data's key (data.py: its inputs' hash)
-        self.pieces = np.load(folder / "pieces.npy") if self.format == "preference" else None  # pairs, block by block
+        paired = self.format in ("preference", "unpaired")  # (preference.FORMATS)
+        self.pieces = np.load(folder / "pieces.npy") if paired else None  # pairs, block by block
         self.pairs_total = len(self.pieces) if self.pieces is not None else 0
+        if self.format == "unpaired":
+            self.desirable = torch.from_numpy(np.load(folder / "desirable.npy"))
         self.first_piece = np.cumsum(self.predicted) - self.predicted
         self.packing, self.row_tokens = meta["packing"], meta["row_tokens"]  # (a row's most tokens)
         self.split_rows = self.pieces is not None and meta["packing"] == "none"  # a pair's sequences: two rows
@@ -200,6 +208,10 @@ class Blocks:
         return len(self.starts)
 
     def describe(self, packing):
+        if self.desirable is not None:
+            said = f"; {self.pairs_said}" if self.pairs_said else ""
+            return f"{self.pairs_total} completions ({int(self.desirable.sum())} desirable) in {len(self)} sequences " \
+                   f"of <= {self.lengths.max()} tokens (unpaired, KTO, {packing} packing{said})"
         if self.pieces is not None:
             said = f"; {self.pairs_said}" if self.pairs_said else ""
             return f"{self.pairs_total} pairs in {len(self)} sequences of <= {self.lengths.max()} tokens " \
@@ -207,7 +219,7 @@ class Blocks:
         cut = f"; {self.cut} documents longer than a block were cut: raise --block-size?" if self.cut else ""
         return f"{len(self)} sequences of <= {self.lengths.max()} tokens ({self.format}, {packing} packing{cut})"
 
-    def batch(self, indices, process, *, carry_loss=True, sequence_shard=None, width=None):
+    def batch(self, indices, process, *, carry_loss=True, sequence_shard=None, width=None, kl=None):
         """The model's inputs and the loss targets for these blocks (a Batch). Labels are shifted here, on the host
         (label t is token t+1, or -100), so the loss never copies the logits to shift them; with them comes the flat
         index of the positions that carry loss, so the loss computes logits for those only. Each document attends
@@ -216,7 +228,8 @@ class Blocks:
         itself only and carries no loss. `process`: training.Process (its device, padding token and the model's
         config). `sequence_shard`: (this rank's place, ranks) in a sequence-parallel group: its slice of the tokens
         and targets (sequence_parallel.py), no mask (the attention builds it). `width`: rows padded to this many
-        tokens at least (--compile: one shape, one graph; FlashAttention's single row is left as it is)."""
+        tokens at least (--compile: one shape, one graph; FlashAttention's single row is left as it is). `kl`: KTO's
+        reference point for the step (preference.kl_point), handed to the loss."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         layout = attention_layout(getattr(process.model_config, "_attn_implementation", None))
         host = self.rows(indices, process.pad_id, width, carry_loss=carry_loss, varlen=layout == "varlen")
@@ -250,8 +263,9 @@ class Blocks:
         # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
         pairs = self.pair_ids(indices) if carry_loss else np.zeros(0, np.int64)
         reference = self.reference[torch.from_numpy(pairs)].to(device) if self.reference is not None else None
+        desirable = self.desirable[torch.from_numpy(pairs)].to(device) if self.desirable is not None else None
         sequence = process.to_device(host.sequence.ravel()[where_loss])
-        return Batch(inputs, dynamic(Targets(labels, index, sequence, len(pairs), reference), width))
+        return Batch(inputs, dynamic(Targets(labels, index, sequence, len(pairs), reference, desirable, kl), width))
 
     def rows(self, indices, pad_id, width=None, *, carry_loss=True, varlen=False):
         """These blocks on the host (HostRows): each a row, padded to the longest (and to `width`); with `varlen` the
@@ -356,7 +370,7 @@ def dynamic(targets, width):
     pairs) changes from batch to batch, and the compiled forward, which takes the targets, would compile anew for the
     first change."""
     if width:
-        for tensor in (targets.index, targets.sequence, targets.reference):
+        for tensor in (targets.index, targets.sequence, targets.reference, targets.desirable):
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
     return targets

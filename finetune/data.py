@@ -1,12 +1,13 @@
 """Data for the causal-LM pair: read a dataset, turn its rows into documents with a loss mask, and prepare them once
 per node (packed into blocks by blocks.py, which also assembles the batches).
 
-Three formats, found from the columns (see docs/data.md):
+The formats, found from the columns (see docs/data.md):
   text                   a `text` column; the loss is on every token
   prompt + completion    TRL's names; the loss is on the completion only
   messages               a list of {role, content}, rendered with the tokenizer's chat template; the loss is on the
                          assistant turns only (--train-on-prompt puts it back on every token, in both)
-  preference pairs       chosen + rejected (and prompt): the DPO loss (preference.py, docs/preference.md)
+  preference pairs       chosen + rejected (and prompt): the DPO loss (preference/, docs/preference.md)
+  unpaired feedback      prompt + completion + label (true: desirable): the KTO loss (docs/preference.md)
 Packing (--packing): `isolated` places whole documents into blocks (best-fit decreasing; only a document longer than
 a block is cut) and each attends only to itself, its positions restarting at 0; `stream` concatenates and cuts, as
 run_clm does (documents see each other); `none` is one document per row, padded.
@@ -18,12 +19,14 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
+
 from . import preference
 from .base import fail
 from .blocks import Blocks, write_split
 
 LOCAL_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
-VERSION = 7  # of the prepared files' layout: part of the cache key (7: a pair cut as TRL's max_length cuts it)
+VERSION = 8  # of the prepared files' layout: part of the cache key (8: unpaired rows, KTO)
 # Rows per record batch of the Arrow files the datasets library writes. Opening such a file maps the first 64 KB of
 # every batch (the kernel's fault-around on each batch's header): 64 MB per million rows at its default of 1,000.
 BATCH = 10_000
@@ -104,6 +107,8 @@ def find_format(columns, data):
             fail(f"dataset {data.dataset} has a column {({'chosen', 'rejected'} - missing).pop()!r} but no "
                  f"{missing.pop()!r}: preference pairs need both (it has {', '.join(columns)})")
         return "preference", {c: c for c in preference.COLUMNS if c in columns}
+    if not named and set(preference.UNPAIRED_COLUMNS) <= set(columns):  # unpaired feedback, for KTO
+        return "unpaired", {c: c for c in preference.UNPAIRED_COLUMNS}
     if data.messages_column or (not data.prompt_column and not data.text_column and "messages" in columns):
         fmt, names = "messages", {"messages": data.messages_column or "messages"}
     elif data.prompt_column or data.completion_column or (
@@ -171,6 +176,10 @@ def _documents(batch, indices, *, fmt, tokenizer, train_on_prompt, block_size, p
         ids, loss, notes = preference.documents(rows, tokenizer, block_size, _chat_document,
                                                 share=packing == "isolated")
         return {"ids": ids, "loss": loss, "cut": notes, "error": [None] * len(rows)}  # a bad pair: skipped, counted
+    if fmt == "unpaired":  # a row and its KL completion: one unit, as a pair is (preference/rows.py)
+        ids, loss, notes = preference.unpaired_documents(rows, tokenizer, block_size, _chat_document,
+                                                         share=packing == "isolated")
+        return {"ids": ids, "loss": loss, "cut": notes, "error": [None] * len(rows)}
     errors = [_row_error(fmt, row) for row in rows]
     ok = [i for i, e in enumerate(errors) if e is None]
     ids, loss = [[] for _ in rows], [[] for _ in rows]
@@ -262,8 +271,10 @@ def _tokenized(split, name, *, fmt, names, data, tokenizer):
 
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32")), "error": datasets.Value("string"),
                                   "loss": datasets.Sequence(datasets.Value("uint8")),
-                                  **({"cut": datasets.Value("string")} if fmt == "preference" else {})})
+                                  **({"cut": datasets.Value("string")} if fmt in preference.FORMATS else {})})
     rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
+    if fmt == "unpaired":  # each row's mismatched completion, from the split's other rows
+        rows = rows.add_column("kl_completion", preference.mismatched(rows["completion"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(data.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
     if workers > 1:
@@ -271,20 +282,23 @@ def _tokenized(split, name, *, fmt, names, data, tokenizer):
     quiet = datasets.are_progress_bars_disabled()
     if len(rows) > 20_000:  # a progress bar where it takes a while
         datasets.enable_progress_bars()
-    docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=list(names), features=features,
+    docs = rows.map(_documents, with_indices=True, batched=True, remove_columns=rows.column_names, features=features,
                     num_proc=workers if workers > 1 else None, desc=f"tokenizing the {name} split ({fmt})",
                     fn_kwargs=dict(fmt=fmt, tokenizer=tokenizer, train_on_prompt=data.train_on_prompt,
                                    block_size=data.block_size, packing=data.packing))
     if quiet:  # as training.quiet had it
         datasets.disable_progress_bars()
-    notes = docs["cut"] if fmt == "preference" else []
-    if fmt == "preference" and len(rows) and all(n and not n.startswith("cut") for n in notes):
+    notes = docs["cut"] if fmt in preference.FORMATS else []
+    if fmt in preference.FORMATS and len(rows) and all(n and not n.startswith("cut") for n in notes):
         fail(f"no pair of dataset {data.dataset} ({name} split) can be trained on: {preference.counted(notes)}")
     lengths = pc.list_value_length(docs.data.column("ids"))
     longest = (pc.max(lengths).as_py() or 0) if len(lengths) else 0
+    kept = np.asarray(lengths.to_numpy(zero_copy_only=False)) > 0
+    # KTO: each kept row's label, in the order of the units' places (0 .. pairs_total - 1)
+    desirable = np.asarray(rows["label"], dtype=bool)[kept] if fmt == "unpaired" else None
     batches = _record_batches(docs, ["ids", "loss", "error"])
     del docs  # its memory map maps 64 KB per record batch (the kernel's fault-around on each batch's header)
-    return {"batches": batches, "notes": notes, "longest": longest, "rows": len(rows),
+    return {"batches": batches, "notes": notes, "longest": longest, "rows": len(rows), "desirable": desirable,
             "examples": [rows[i] for i in range(min(3, len(rows)))]}
 
 
@@ -317,9 +331,10 @@ def _prepare(data, tokenizer, seed, folder, partial):
         if not set(names.values()) <= set(evaluation.column_names):
             fail(f"--eval-dataset {data.eval_dataset} has columns {', '.join(evaluation.column_names)} and the "
                  f"training data is {fmt} in {', '.join(names.values())}; give the eval data the same columns")
-    chat = fmt == "messages" or fmt == "preference" and isinstance(train[0]["chosen"], list)
-    if fmt == "preference" and (data.packing == "stream" or data.train_on_prompt):
-        fail(f"preference pairs (DPO) are trained whole and on their answers: drop "
+    chat = fmt == "messages" or fmt in preference.FORMATS and isinstance(train[0][names.get("chosen", "completion")],
+                                                                        list)
+    if fmt in preference.FORMATS and (data.packing == "stream" or data.train_on_prompt):
+        fail(f"preference data (DPO, KTO) is trained whole and on its answers: drop "
              f"{'--packing stream' if data.packing == 'stream' else '--train-on-prompt'}")
     if chat and not getattr(tokenizer, "is_fast", False):
         fail(f"{tokenizer.name_or_path}'s tokenizer is not a fast one: the assistant's tokens are found through a fast "
@@ -332,16 +347,18 @@ def _prepare(data, tokenizer, seed, folder, partial):
     # a row's most tokens: a block; packed pairs, the longest pair's prompt once and both answers if longer (each
     # sequence within the block, preference/rows.py's fit): up to twice it, the same for both splits
     longest = max(s["longest"] for s in splits.values())
-    meta["row_tokens"] = max(data.block_size, longest) if fmt == "preference" and data.packing == "isolated" \
+    meta["row_tokens"] = max(data.block_size, longest) if fmt in preference.FORMATS and data.packing == "isolated" \
         else data.block_size
     for name, split in splits.items():
         (partial / name).mkdir(parents=True, exist_ok=True)
         cut = write_split(_checked(split["batches"], f"dataset {data.dataset} ({name} split)"), meta["row_tokens"],
-                          data.packing, partial / name, pairs=fmt == "preference")
+                          data.packing, partial / name, pairs=fmt in preference.FORMATS)
+        if split["desirable"] is not None:
+            np.save(partial / name / "desirable.npy", split["desirable"])
         notes = split["notes"]  # what became of each pair (preference.documents)
         fitted = sum(1 for n in notes if n and n.startswith("cut"))
         meta[name] = {"rows": split["rows"], "cut": cut + fitted,
-                      **({"pairs": preference.counted(notes)} if fmt == "preference" else {})}
+                      **({"pairs": preference.counted(notes)} if fmt in preference.FORMATS else {})}
     meta["examples"] = splits["eval"]["examples"]
     (partial / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     try:

@@ -19,8 +19,10 @@ def eval_loss_sums(model, blocks, batch_size, process):
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=process.device)
     pairs = None
-    for mine in rank_batches(len(blocks), batch_size, process.rank, process.world_size):
-        inputs, targets = blocks.batch(mine if len(mine) else [0], process, carry_loss=len(mine) > 0)
+    batches = list(rank_batches(len(blocks), batch_size, process.rank, process.world_size))
+    kl = preference.kl_point(model, blocks, batches, process)  # KTO's reference point: over the whole eval split
+    for mine in batches:
+        inputs, targets = blocks.batch(mine if len(mine) else [0], process, carry_loss=len(mine) > 0, kl=kl)
         # eagerly under --compile: in eval mode without gradients dynamo compiles every graph anew, which takes
         # longer than most evals run (docs/zero.md)
         with process.autocast, torch.compiler.set_stance("force_eager"):

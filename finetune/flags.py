@@ -20,7 +20,7 @@ from . import quantization, tracking
 from .base import ROOT, fail
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "torch_varlen")  # --attention's choices beside auto
-PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo")  # --preference-loss, TRL's names (preference.PairLoss)
+PAIR_LOSSES = ("sigmoid", "robust", "ipo", "simpo", "orpo", "kto")  # --preference-loss, TRL's (preference.PairLoss)
 # how a run was started and on which machine, not its recipe: --config skips them
 RUN_CONTROL = ("resume", "overwrite", "config", "demo", "cache_dir")
 ZERO3_CONFIG = str(ROOT / "ds_config_zero3.json")
@@ -100,11 +100,14 @@ class Train(Piece):
     lr: float | None = flag(None, "peak learning rate (default 5e-5; preference pairs 1e-6, with LoRA 5e-6)")
     beta: float = flag(0.1, "preference pairs (DPO): how far from the reference the model may move (lower: further)")
     preference_loss: str = flag("sigmoid", "preference pairs: sigmoid (DPO), robust (DPO for noisy labels), ipo, "
-                                "simpo, orpo (these two: no reference model) (docs/preference.md)",
-                                choices=list(PAIR_LOSSES))
+                                "simpo, orpo (these two: no reference model); kto, which unpaired rows (prompt, "
+                                "completion, label) take (docs/preference.md)", choices=list(PAIR_LOSSES))
     label_smoothing: float = flag(0.0, "robust: the share of pairs taken as flipped")
     simpo_gamma: float = flag(0.5, "simpo: the margin between the answers' rewards")
     sft_weight: float = flag(0.0, "preference pairs: add the chosen answer's negative log-likelihood this many times")
+    desirable_weight: float = flag(1.0, "kto: the weight of a desirable completion's loss (TRL's)")
+    undesirable_weight: float = flag(1.0, "kto: the weight of an undesirable completion's loss; with fewer of one "
+                                     "kind, weigh them so that the two kinds' weighted counts are within 1 to 4/3")
     weight_decay: float = flag(0.0)
     warmup_ratio: float = flag(0.05, "share of the steps spent warming up the LR")
     max_grad_norm: float = flag(1.0, "clip the gradients' norm to this (0: no clipping)")
@@ -316,6 +319,9 @@ def check(config, max_positions):
              f"{train.label_smoothing}")
     if train.sft_weight < 0 or train.beta <= 0:
         fail(f"--sft-weight must be 0 or more and --beta positive, got {train.sft_weight} and {train.beta}")
+    if train.desirable_weight <= 0 or train.undesirable_weight <= 0:
+        fail(f"--desirable-weight and --undesirable-weight must be positive, got {train.desirable_weight} and "
+             f"{train.undesirable_weight}")
     if train.max_steps <= 0 and train.epochs <= 0:
         fail("set --epochs or --max-steps to a positive number")
     if not 0 < data.eval_fraction < 1:

@@ -246,7 +246,7 @@ def sample(model, tokenizer, prompt, split, process):
         return None
     try:
         messages = [{"role": "user", "content": prompt}] if split.format == "messages" else None
-        if split.format == "preference":  # the first held-out pair's prompt (a skipped pair has none)
+        if split.format in preference.FORMATS:  # the first held-out row's prompt (a skipped one has none)
             usable = [p for p in map(preference.examples_prompt, split.examples) if p[1]]
             messages, prompt, _ = usable[0] if usable else (None, prompt, None)
         answer = _generate(model, tokenizer, _prompt_ids(tokenizer, messages, prompt), process)
@@ -272,7 +272,7 @@ def answers(model, tokenizer, split, process):
                 last = max(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
                 messages, expected = row["messages"][:last], row["messages"][last]["content"]
                 prompt = messages[-1]["content"] if messages else ""
-            elif fmt == "preference":  # the preferred answer is the expected one
+            elif fmt in preference.FORMATS:  # the preferred (desirable) answer is the expected one
                 messages, prompt, expected = preference.examples_prompt(row)
             else:
                 messages, prompt, expected = None, row["prompt"], row["completion"]

@@ -33,7 +33,7 @@ class Record:
     train_time: float = 0.0
     tokens: int = 0
     intervals: list = dataclasses.field(default_factory=list)
-    pair_metrics: dict = dataclasses.field(default_factory=lambda: {name: [] for name in preference.METRICS})
+    pair_metrics: dict = dataclasses.field(default_factory=lambda: {name: [] for name in preference.ALL_METRICS})
 
     @classmethod
     def restored(cls, state):
@@ -43,7 +43,7 @@ class Record:
         if "grad_norms" not in state:
             record.grad_norms = [None] * record.step
         logged = len(record.pair_metrics.get("rewards/chosen", []))
-        for name in preference.METRICS:  # a metric kept since: none for the steps before
+        for name in preference.ALL_METRICS:  # a metric kept since: none for the steps before
             record.pair_metrics.setdefault(name, [None] * logged)
         return record
 
@@ -203,6 +203,9 @@ class RunStats:
         if metrics is not None:  # preference pairs: the DPO loss, how often the chosen answer gains more, TRL's rest
             self.trackers.log({"eval/loss": value, **{f"eval/{k}": v for k, v in metrics.items()},
                                "eval/runtime": seconds}, step + 1)
+            if "kl" in metrics:  # KTO: no pairs to rank, the desirable completions' margin over the rest
+                return (f"step {step + 1} | eval KTO loss {value:.4f} | reward margin {metrics['rewards/margins']:.3f}"
+                        f" | kl {metrics['kl']:.4f} | {tokens:,} completions | {seconds:.1f} s{mark}{failed}")
             return (f"step {step + 1} | eval preference loss {value:.4f} | reward accuracy "
                     f"{metrics['rewards/accuracies']:.3f} | {tokens:,} pairs | {seconds:.1f} s{mark}{failed}")
         self.trackers.log({"eval/loss": value, "eval/perplexity": perplexity(value), "eval/runtime": seconds},

@@ -20,25 +20,38 @@ class PairLoss:
     -log sigmoid(beta (c / |c| - r / |r|) - simpo_gamma), no reference (Meng et al. 2024). orpo: -c / |c| - beta
     log sigmoid(log odds(c / |c|) - log odds(r / |r|)), no reference (Hong et al. 2024). sft_weight adds the chosen
     answer's mean negative log-likelihood, -c / |c|, that many times (TRL's "sft" beside another loss; TRL averages
-    it, and ORPO's, over the batch's chosen tokens, here over the pairs' per-answer means)."""
+    it, and ORPO's, over the batch's chosen tokens, here over the pairs' per-answer means).
+    kto (unpaired rows: a pair's answers are a completion and its KL completion; Ethayarajh et al. 2024, eq. 7, as
+    TRL's KTOTrainer): with z = beta (c - c0 - kl), a desirable completion's loss desirable_weight (1 - sigmoid(z)),
+    an undesirable one's undesirable_weight (1 - sigmoid(-z)); kl, the reference point, the mean of r - r0 over the
+    step's whole global batch, at least 0, held constant (kl_point)."""
     kind: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
     sft_weight: float = 0.0
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     @classmethod
     def of(cls, train):
-        """From the flags (flags.Train): --preference-loss, --beta, --label-smoothing, --simpo-gamma, --sft-weight."""
-        return cls(train.preference_loss, train.beta, train.label_smoothing, train.simpo_gamma, train.sft_weight)
+        """From the flags (flags.Train): --preference-loss, --beta, --label-smoothing, --simpo-gamma, --sft-weight,
+        --desirable-weight, --undesirable-weight."""
+        return cls(train.preference_loss, train.beta, train.label_smoothing, train.simpo_gamma, train.sft_weight,
+                   train.desirable_weight, train.undesirable_weight)
 
     @property
     def needs_reference(self):
         return self.kind not in ("simpo", "orpo")
 
-    def per_pair(self, logps, reference, lengths):
-        """Each pair's loss, differentiable in `logps` ((pairs, 2): chosen, rejected)."""
+    def per_pair(self, logps, reference, lengths, *, desirable=None, kl=None):
+        """Each pair's loss, differentiable in `logps` ((pairs, 2): chosen, rejected; kto: the completion, the KL
+        completion, which is not differentiated: its log-probabilities make only the reference point, kl)."""
         mean = logps / lengths
+        if self.kind == "kto":
+            z = self.beta * (logps[:, 0] - reference[:, 0] - kl)
+            return torch.where(desirable, self.desirable_weight * (1 - torch.sigmoid(z)),
+                               self.undesirable_weight * (1 - torch.sigmoid(-z)))
         if self.kind in ("sigmoid", "robust"):
             h = self.beta * ((logps[:, 0] - reference[:, 0]) - (logps[:, 1] - reference[:, 1]))
             e = self.label_smoothing if self.kind == "robust" else 0.0
@@ -61,11 +74,11 @@ class PairLoss:
 
     def of_hidden(self, hidden, head, labels, targets, *, chunk, dtype):
         """The same from the hidden states of the positions that carry loss and the output head, a chunk at a time."""
-        if targets.reference is None:  # the reference pass: log-probabilities only
+        if targets.reference is None:  # the reference pass (and KTO's KL pass): log-probabilities only
             token = token_logps(hidden, head.weight, head.bias, labels, chunk=chunk, dtype=dtype)
             return preference_loss(token, targets, self)
-        return LinearPreference.apply(hidden, head.weight, head.bias, labels, targets.sequence, targets.pairs,
-                                      targets.reference, self, chunk, dtype, torch.is_grad_enabled())
+        return LinearPreference.apply(hidden, head.weight, head.bias, labels, targets, self, chunk, dtype,
+                                      torch.is_grad_enabled())
 
     def rewards(self, logps, reference, lengths):
         """(pairs, 2) implicit rewards, as TRL reports them: beta (logp - reference logp); without a reference
@@ -73,26 +86,39 @@ class PairLoss:
         return self.beta * (logps - reference if self.needs_reference else logps / lengths)
 
 
-def scored(pair_loss, logps, reference, lengths, *, stats, sequence):
-    """A PairLoss summed over the pairs, d(loss)/d(logps) ((pairs, 2)), and the metrics' sums (metrics.metric_values
-    names them): the chosen and rejected rewards, the pairs ranked right, the answers' log-probabilities; from
-    `stats` (answer_stats, per predicted token of `sequence`), per answer the mean logits' and the tokens' sums, the
-    chosen tokens predicted first, the entropies' sum."""
+def scored(pair_loss, logps, targets, lengths, *, stats):
+    """A PairLoss summed over the pairs, d(loss)/d(logps) ((pairs, 2)), and the metrics' sums (metrics)."""
     with torch.enable_grad():
         leaf = logps.detach().requires_grad_()
-        loss = pair_loss.per_pair(leaf, reference, lengths).sum()
+        loss = pair_loss.per_pair(leaf, targets.reference, lengths, desirable=targets.desirable,
+                                  kl=targets.kl).sum()
         d_logps, = torch.autograd.grad(loss, leaf)
-    sums = metrics(pair_loss, logps.detach(), reference, lengths, stats=stats, sequence=sequence)
+    sums = metrics(pair_loss, logps.detach(), targets, lengths, stats=stats)
     return loss.detach(), d_logps, sums
 
 
-def metrics(pair_loss, logps, reference, lengths, *, stats, sequence):
-    chosen, rejected = pair_loss.rewards(logps, reference, lengths).unbind(1)
+def metrics(pair_loss, logps, targets, lengths, *, stats):
+    """The metrics' sums (metrics.metric_values names them): the chosen and rejected rewards, the pairs ranked right,
+    the answers' log-probabilities; from `stats` (answer_stats, per predicted token), per answer the mean logits' and
+    the tokens' sums, the chosen tokens predicted first, the entropies' sum; KTO's reference point and units (0 for
+    pairs). KTO: "chosen" the desirable completions, "rejected" the undesirable ones, "ranked right" the desirable
+    ones' count (TRL's KTO metrics; the KL completions count in none of them)."""
+    chosen, rejected = pair_loss.rewards(logps, targets.reference, lengths).unbind(1)
+    sequence, pairs = targets.sequence, len(logps)
     first = (sequence % 2 == 0).float()  # a pair's chosen answer is its first sequence
     mean_logit, top1, entropy = stats
-    return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), logps[:, 0].sum(),
-                        logps[:, 1].sum(), (mean_logit * first).sum(), (mean_logit * (1 - first)).sum(),
-                        first.sum(), (1 - first).sum(), (top1 * first).sum(), entropy.sum()]).detach().float()
+    if targets.desirable is None:
+        return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(), logps[:, 0].sum(),
+                            logps[:, 1].sum(), (mean_logit * first).sum(), (mean_logit * (1 - first)).sum(),
+                            first.sum(), (1 - first).sum(), (top1 * first).sum(), entropy.sum(),
+                            *chosen.new_zeros(2)]).detach().float()
+    good = targets.desirable.float()
+    good_token = first * good[sequence // 2]
+    bad, bad_token = 1 - good, first - good_token
+    return torch.stack([(chosen * good).sum(), (chosen * bad).sum(), good.sum(), (logps[:, 0] * good).sum(),
+                        (logps[:, 0] * bad).sum(), (mean_logit * good_token).sum(), (mean_logit * bad_token).sum(),
+                        good_token.sum(), bad_token.sum(), (top1 * good_token).sum(), (entropy * first).sum(),
+                        targets.kl * pairs, chosen.new_tensor(pairs)]).detach().float()
 
 
 def answer_stats(logits, labels):
@@ -114,9 +140,9 @@ def preference_loss(token, targets, pair_loss, stats=None):
     if targets.reference is None:
         return logps.view(-1, 2)
     lengths = answer_lengths(targets.sequence, targets.pairs)
-    loss = pair_loss.per_pair(logps.view(-1, 2), targets.reference, lengths).sum()
-    return loss, metrics(pair_loss, logps.view(-1, 2), targets.reference, lengths, stats=stats,
-                         sequence=targets.sequence)
+    loss = pair_loss.per_pair(logps.view(-1, 2), targets.reference, lengths, desirable=targets.desirable,
+                              kl=targets.kl).sum()
+    return loss, metrics(pair_loss, logps.view(-1, 2), targets, lengths, stats=stats)
 
 
 def answer_lengths(sequence, pairs):
@@ -152,12 +178,14 @@ class LinearPreference(torch.autograd.Function):
     chunks where the head is trained, else the hidden states' gradient made in the first pass and scaled."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, sequence, pairs, reference, pair_loss, chunk, dtype, with_grads):
+    def forward(ctx, hidden, weight, bias, labels, given, pair_loss, chunk, dtype, with_grads):
+        """`labels`: the positions' targets; `given`: the batch's blocks.Targets (answers, pairs, references)."""
         need_hidden, need_weight, need_bias = (with_grads and needed for needed in ctx.needs_input_grad[:3])
+        targets, sequence, pairs = labels, given.sequence, given.pairs
         token, stats = token_logps(hidden, weight, bias, targets, chunk=chunk, dtype=dtype, with_stats=True)
         logps = torch.zeros(2 * pairs, dtype=torch.float32, device=hidden.device).index_add_(0, sequence, token)
-        loss, d_logps, sums = scored(pair_loss, logps.view(-1, 2), reference, answer_lengths(sequence, pairs),
-                                     stats=stats, sequence=sequence)
+        loss, d_logps, sums = scored(pair_loss, logps.view(-1, 2), given, answer_lengths(sequence, pairs),
+                                     stats=stats)
         # d(loss)/d(logits) of a token = -d(loss)/d(its logp) x (softmax - one-hot)
         weights = -d_logps.flatten().index_select(0, sequence)
         grad_hidden = grad_weight = grad_bias = None
@@ -192,7 +220,7 @@ class LinearPreference(torch.autograd.Function):
     def backward(ctx, grad_out, _):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale = lambda g, dtype=None: None if g is None else g.mul_(grad_out).to(dtype or g.dtype)
-        return (scale(grad_hidden, ctx.hidden_dtype), scale(grad_weight), scale(grad_bias), *[None] * 8)
+        return (scale(grad_hidden, ctx.hidden_dtype), scale(grad_weight), scale(grad_bias), *[None] * 6)
 
 
 # Under --compile what follows the backbone runs eagerly where its size is the batch's count of predicted tokens:

@@ -1,5 +1,5 @@
 """The reference: the model as loaded scores every pair once, before the first step; a resume reads what was kept.
-The DPO learning rate's defaults."""
+KTO's reference point (the KL term) for each step. The data's loss and learning rate's defaults."""
 import json
 import time
 from pathlib import Path
@@ -18,7 +18,7 @@ def reference(model, splits, config, out, process):
     They go with the splits' batches to the loss, with --beta. No second copy of the model at any time. `config`:
     the run's Config (flags.py); `process`: training.Process."""
     train = splits[0]
-    if train.format != "preference":
+    if train.pieces is None:  # not pairs, nor unpaired rows
         return splits
     if config.sequence_parallel > 1:
         fail("preference pairs (DPO) are not split over ranks: drop --sequence-parallel (or shorten the pairs)")
@@ -57,7 +57,8 @@ def reference(model, splits, config, out, process):
             tmp = path.with_name(".tmp-reference.pt")
             torch.save({"train": tensors[0], "eval": tensors[1], "made_of": json.dumps(made_of)}, tmp)
             tmp.replace(path)
-        process.say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} pairs computed once in "
+        units = "pairs" if train.desirable is None else "completions and their mismatched ones"  # (KTO)
+        process.say(f"reference log-probabilities of {len(tensors[0]) + len(tensors[1]):,} {units} computed once in "
             f"{time.perf_counter() - started:.1f} s, kept in {path}")
     return [split.with_reference(scores.float()) for split, scores in zip(splits, tensors)]
 
@@ -109,6 +110,46 @@ def _scores(model, blocks, batch_size, process):
     return scores.cpu()
 
 
+@torch.no_grad()
+def kl_point(model, blocks, micro_batches, process):
+    """KTO's reference point for a step (a float32 device scalar; None for any other data): the mean over the units
+    of `micro_batches` on every rank (the global batch; an eval split) of each KL completion's log-ratio to the
+    reference, r - r0, at least 0, as TRL's KTOTrainer estimates it from its batch. A pass without gradients
+    before the step's first micro-step (the scripts call it for unpaired rows), so the loss of every micro-step on
+    every rank takes the same value: one process and any number of ranks train alike. No host read: the value stays
+    on the device."""
+    if blocks.desirable is None:
+        return None
+    sums = torch.zeros(2, dtype=torch.float64, device=process.device)
+    for micro in micro_batches:
+        inputs, targets = blocks.batch(micro if len(micro) else [0], process, carry_loss=len(micro) > 0)
+        # eagerly under --compile, as the reference pass: a forward without gradients, not a graph training runs
+        with process.autocast, torch.compiler.set_stance("force_eager"):
+            logps = model(inputs=inputs, targets=targets._replace(reference=None))  # (units, 2): the log-probabilities
+        sums[0] += (logps[:, 1].double() - targets.reference[:, 1].double()).sum()
+        sums[1] += targets.pairs
+    if process.world_size > 1:
+        torch.distributed.all_reduce(sums)
+    return (sums[0] / sums[1].clamp(min=1)).clamp(min=0).float()
+
+
+def resolved(config, data_format):
+    """The run's Config for its data: --lr's default (learning_rate), and for unpaired rows the KTO loss (one line
+    for a pair loss or --sft-weight given with them, or KTO with pairs). `config`: flags.Config."""
+    train, loss = config.train, config.train.preference_loss
+    if data_format == "unpaired":
+        if loss not in ("sigmoid", "kto"):  # (sigmoid: the flag's default)
+            fail(f"unpaired rows (prompt, completion, label) train with KTO: drop --preference-loss {loss}")
+        if train.sft_weight:
+            fail("--sft-weight adds the chosen answer's likelihood of preference pairs, and unpaired rows (KTO) have "
+                 "none: drop it")
+        loss = "kto"
+    elif data_format == "preference" and loss == "kto":
+        fail("--preference-loss kto takes unpaired rows (prompt, completion, label), and these are pairs: drop it "
+             "for DPO, or give each answer a row of its own")
+    return config.resolved(lr=learning_rate(train.lr, data_format, config.model.lora_rank), preference_loss=loss)
+
+
 LEARNING_RATES = {"text": 5e-5, "preference": 1e-6, "preference+lora": 5e-6}  # --lr's defaults (learning_rate)
 
 
@@ -116,9 +157,9 @@ def learning_rate(lr, data_format, lora_rank):
     """--lr, or its default for the data: 5e-5 for supervised fine-tuning; for preference pairs (DPO) TRL's DPOConfig
     default, 1e-6 (full fine-tuning DPO runs from 5e-7 to 5e-6: 5e-5 would move a model 50 times too far for a
     user who only changed the data's format), and 5e-6 with LoRA, whose scaled low-rank updates take a larger
-    rate (docs/preference.md)."""
+    rate (docs/preference.md); the same for unpaired rows (KTO: TRL's KTOConfig default is DPO's)."""
     if lr is not None:
         return lr
-    if data_format == "preference":
+    if data_format in ("preference", "unpaired"):
         return LEARNING_RATES["preference+lora" if lora_rank else "preference"]
     return LEARNING_RATES["text"]

@@ -12,12 +12,19 @@ answer's tokens (the loss mask). --block-size bounds each sequence, the prompt a
 does (a packed pair's row holds up to twice it): a longer one loses its answer's end (as TRL cuts a sequence at its
 end), then, with the answers at a floor, the prompt's middle (its start and its end kept); one that cannot fit even
 so is dropped, one with nothing to prefer skipped: each counted and said at start (fit).
+
+Unpaired feedback (KTO; TRL's unpaired format: prompt + completion + label, true for a desirable completion) goes the
+same way: its first sequence the row's completion, its second another row's completion after the same prompt (the
+mismatched pair KTO's reference point, the KL term, is estimated from: mismatched), so a row is one unit, packed and
+scored as a pair is; its label is kept beside it (data.py: desirable.npy).
 """
 import collections
 
 import numpy as np
 
 COLUMNS = ("prompt", "chosen", "rejected")
+UNPAIRED_COLUMNS = ("prompt", "completion", "label")  # KTO's rows
+FORMATS = ("preference", "unpaired")  # data.py's formats whose rows are units of two sequences
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -156,6 +163,42 @@ def documents(rows, tokenizer, block_size, chat_document, share=False):
     return ids, loss, notes
 
 
+def mismatched(completions):
+    """Each row's KL completion: the nearest earlier row's completion that differs from its own (the first rows take
+    the last ones'), as TRL's KTO takes the batch's completions shifted by one; None where none of the 64 rows before
+    has another (an empty completion gives none, and gets none)."""
+    usable = [i for i, c in enumerate(completions) if c and isinstance(c, (str, list))]
+    other = [None] * len(completions)
+    for place, i in enumerate(usable):
+        for back in range(1, min(len(usable), 65)):
+            candidate = completions[usable[place - back]]
+            if candidate != completions[i]:
+                other[i] = candidate
+                break
+    return other
+
+
+def unpaired_documents(rows, tokenizer, block_size, chat_document, share=False):
+    """documents() of unpaired rows (prompt, completion, label, kl_completion: mismatched's): the completion as the
+    first sequence, the KL completion after the same prompt as the second."""
+    checked = []
+    for row in rows:
+        label, error = row["label"], None
+        if not isinstance(label, bool) and label not in (0, 1):
+            error = "the label is not true or false"
+        elif not row["completion"]:
+            error = "the completion is empty"
+        elif row["kl_completion"] is None:
+            error = "no other row's completion to estimate the KL term from"
+        pair = {"prompt": row["prompt"], "chosen": row["completion"], "rejected": row["kl_completion"]}
+        checked.append(error or pair)
+    ids, loss, notes = documents([row for row in checked if not isinstance(row, str)], tokenizer, block_size,
+                                 chat_document, share)
+    kept = iter(zip(ids, loss, notes))
+    out = [([], [], f"skipped: {row}") if isinstance(row, str) else next(kept) for row in checked]
+    return [list(x) for x in zip(*out)] if out else ([], [], [])
+
+
 def counted(notes):
     """'3 pairs cut (2 answers' ends, 1 prompt's middle too); 1 dropped (...); 2 skipped (...)' from documents'
     notes, or ''."""
@@ -175,10 +218,14 @@ def counted(notes):
 
 
 def examples_prompt(row):
-    """(messages or None, prompt text, preferred answer) of a prepared example row, for the answers and the sample."""
-    prompt, chosen, _, error = split_prompt(row)
+    """(messages or None, prompt text, preferred answer) of a prepared example row, for the answers and the sample
+    (an unpaired row's completion where it is desirable, else no answer)."""
+    if "completion" in row:
+        prompt, chosen, error = row["prompt"], row["completion"] if row["label"] else None, None
+    else:
+        prompt, chosen, _, error = split_prompt(row)
     if error or prompt is None:
         return None, "", ""
     if isinstance(prompt, list):
-        return prompt, prompt[-1]["content"] if prompt else "", chosen[-1]["content"]
-    return None, prompt, chosen
+        return prompt, prompt[-1]["content"] if prompt else "", chosen[-1]["content"] if chosen else ""
+    return None, prompt, chosen or ""
