@@ -33,7 +33,7 @@ class Record:
     train_time: float = 0.0
     tokens: int = 0
     intervals: list = dataclasses.field(default_factory=list)
-    pair_metrics: dict = dataclasses.field(default_factory=lambda: {name: [] for name in preference.ALL_METRICS})
+    pair_metrics: dict = dataclasses.field(default_factory=lambda: {name: [] for name in preference.METRICS})
 
     @classmethod
     def restored(cls, state):
@@ -43,7 +43,7 @@ class Record:
         if "grad_norms" not in state:
             record.grad_norms = [None] * record.step
         logged = len(record.pair_metrics.get("rewards/chosen", []))
-        for name in preference.ALL_METRICS:  # a metric kept since: none for the steps before
+        for name in preference.METRICS:  # a metric kept since: none for the steps before
             record.pair_metrics.setdefault(name, [None] * logged)
         return record
 
@@ -156,8 +156,8 @@ class RunStats:
         losses, self.rank_memory, pairs = losses[:n], losses[n:n + self.ranks].tolist(), losses[n + self.ranks:]
         first_pairs = len(record.pair_metrics["rewards/chosen"]) + 1
         for step, values in enumerate(self.pairs.per_step(pairs, self.ranks), first_pairs):
-            for name, value in values.items():
-                record.pair_metrics[name].append(value)
+            for name, value in values.items():  # (KTO's kl: kept from its first step on)
+                record.pair_metrics.setdefault(name, [None] * (step - 1)).append(value)
             self.trackers.log({f"train/{k}": v for k, v in values.items()}, step)
         first = len(record.losses) + 1
         record.losses += losses.tolist()

@@ -9,7 +9,7 @@ the rest of the package uses of them is named here, each from the module that ho
                 evaluation.py: metric_values)
 blocks.py lays a pair's two sequences out in a batch (one row with the prompt once, or two rows) and gives the loss
 each token's answer (Targets.sequence) and the pairs' reference log-probabilities (Targets.reference)."""
-from .metrics import ALL_METRICS, METRICS, PairMetrics, metric_values
+from .metrics import METRICS, PairMetrics, metric_values
 from .pair_loss import PairLoss
 from .reference import kl_point, learning_rate, reference, resolved, without_dropout
 from .rows import (
@@ -23,6 +23,6 @@ from .rows import (
     unpaired_documents,
 )
 
-__all__ = ["ALL_METRICS", "COLUMNS", "FORMATS", "METRICS", "UNPAIRED_COLUMNS", "PairLoss", "PairMetrics", "counted",
+__all__ = ["COLUMNS", "FORMATS", "METRICS", "UNPAIRED_COLUMNS", "PairLoss", "PairMetrics", "counted",
            "documents", "examples_prompt", "kl_point", "learning_rate", "metric_values", "mismatched", "reference",
            "resolved", "unpaired_documents", "without_dropout"]
