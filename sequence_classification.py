@@ -1,15 +1,18 @@
-"""Fine-tune an encoder for text classification with the Hugging Face Trainer, optionally under DeepSpeed ZeRO.
+"""Fine-tune an encoder for text classification with the Hugging Face Trainer, optionally under DeepSpeed ZeRO; or,
+from a preference file (chosen, rejected), a reward model (finetune/reward.py).
 
     python3 sequence_classification.py                                          # distilbert-base-uncased on imdb
     deepspeed --num_gpus 2 sequence_classification.py --deepspeed ds_config_zero2.json
     deepspeed --num_gpus 2 sequence_classification.py --demo --deepspeed ds_config_zero3.json   # CPU ok
     python3 sequence_classification.py --dataset reviews.csv --label-column sentiment
+    python3 sequence_classification.py --dataset pairs.jsonl --model ./my-sft-model   # a reward model
 
 The same DeepSpeed configs as zero-optimization.py: the Trainer fills their "auto" values from these flags.
 Places to tune are marked `To-Do:`.
 """
 import argparse
 import contextlib
+import functools
 import os
 import shutil
 import time
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 
 # finetune before the Trainer: importing the Trainer imports bitsandbytes, whose notice finetune/__init__.py quiets
-from finetune import base, checkpoints, data, distributed, flags, hardware, models, training, zero_config
+from finetune import base, checkpoints, data, distributed, flags, hardware, models, reward, training, zero_config
 from finetune.internals import demo, mends
 from transformers import (AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
                           PrinterCallback, Trainer, TrainerCallback, TrainingArguments, pipeline, set_seed)
@@ -46,6 +49,31 @@ def class_labels(train, evaluation, column, name):
     to_ids = lambda batch: {"labels": [ids[v] for v in batch]}
     train, evaluation = (split.map(to_ids, input_columns=column, batched=True) for split in (train, evaluation))
     return [str(n) for n in names], train, evaluation
+
+
+def texts_and_labels(config, tokenizer):
+    """(train, eval, class names, a few eval texts shown at the end), tokenized: the texts and their classes; for a
+    preference file (chosen, rejected) its pairs, for a reward model of one output (finetune/reward.py)."""
+    dataset, text, max_length = config.data.dataset, config.data.text_column, config.classifier.max_length
+    train, evaluation = data.load_splits(dataset, seed=config.train.seed)
+    if reward.is_preference(train.column_names):
+        examples = list(reward.pair_texts(evaluation[0], tokenizer)) if len(evaluation) else []
+        (train, dropped), (evaluation, _) = (reward.tokenized_pairs(split, tokenizer, max_length, dataset)
+                                             for split in (train, evaluation))
+        if not len(train):
+            base.fail(f"every pair of dataset {dataset} is longer than --max-length {max_length}: raise it")
+        said = f" ({dropped} longer than --max-length {max_length} left out)" if dropped else ""
+        return train, evaluation, ["reward"], examples, f"{len(train)} training and {len(evaluation)} eval pairs{said}"
+    if text not in train.column_names:
+        base.fail(f"dataset {dataset} has no column {text!r} (it has {', '.join(train.column_names)}); pass "
+                  f"--text-column")
+    names, train, evaluation = class_labels(train, evaluation, config.classifier.label_column, dataset)
+    examples = list(evaluation.select(range(min(3, len(evaluation))))[text])  # shown at the end
+    tokenize = lambda batch: tokenizer(batch[text], truncation=True, max_length=max_length)
+    train, evaluation = (split.select_columns([text, "labels"]).map(tokenize, batched=True, remove_columns=[text])
+                         for split in (train, evaluation))
+    said = f"{len(train)} training and {len(evaluation)} eval texts, {len(names)} classes: {', '.join(names[:10])}"
+    return train, evaluation, names, examples, said
 
 
 def classification_metrics(logits, labels, num_classes):
@@ -195,8 +223,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     config = parse_args(argv)  # frozen pieces: config.data, .classifier, .model, .train, .run, .zero (flags.py)
-    data_flags, model_flags, train_flags, run_flags = config.data, config.model, config.train, config.run
-    ds_path, text = config.zero.deepspeed, data_flags.text_column  # ds_path: DeepSpeed's config file, or None
+    model_flags, train_flags, run_flags = config.model, config.train, config.run
+    ds_path = config.zero.deepspeed  # DeepSpeed's config file, or None
 
     # -------------------------------------------------------------------------------- setup
     # who this process is (srun's tasks too), and its GPU, made current before anything touches CUDA: the Trainer
@@ -228,17 +256,11 @@ def main(argv=None):
         deepspeed.init_distributed(timeout=timeout)
 
     # -------------------------------------------------------------------------------- data
-    train, evaluation = data.load_splits(data_flags.dataset, seed=train_flags.seed)
-    if text not in train.column_names:
-        base.fail(f"dataset {data_flags.dataset} has no column {text!r} (it has {', '.join(train.column_names)}); "
-                  f"pass --text-column")
-    names, train, evaluation = class_labels(train, evaluation, config.classifier.label_column, data_flags.dataset)
-    examples = list(evaluation.select(range(min(3, len(evaluation))))[text])  # shown at the end
     tokenizer = models.load_pretrained(AutoTokenizer, model_flags.model, **remote)
-    tokenize = lambda batch: tokenizer(batch[text], truncation=True, max_length=config.classifier.max_length)
-    train, evaluation = (split.select_columns([text, "labels"]).map(tokenize, batched=True, remove_columns=[text])
-                         for split in (train, evaluation))
-    say(f"{len(train)} training and {len(evaluation)} eval texts, {len(names)} classes: {', '.join(names[:10])}")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # a decoder's: its EOS (as TRL), for the batches
+    train, evaluation, names, examples, said = texts_and_labels(config, tokenizer)  # classes, or a reward's pairs
+    rewards = names == ["reward"]  # a preference file: a reward model
+    say(said)
 
     # -------------------------------------------------------------------------------- trainer
     # TrainingArguments before from_pretrained: with a ZeRO-3 config it makes from_pretrained load each rank's
@@ -254,14 +276,16 @@ def main(argv=None):
         logging_steps=10, report_to=list(run_flags.report_to), deepspeed=ds_config,
         disable_tqdm=not run_flags.verbose, log_level="warning" if run_flags.verbose else "error",
         use_cpu=device.type == "cpu",  # on a machine without CUDA; without it a distributed launch miscounts ranks
-        dataloader_pin_memory=device.type == "cuda", ddp_timeout=config.zero.dist_timeout, **optimizer_args)
+        dataloader_pin_memory=device.type == "cuda", ddp_timeout=config.zero.dist_timeout,
+        remove_unused_columns=not rewards, **optimizer_args)  # (a reward's pairs: two texts a row, not the model's)
     set_seed(train_flags.seed)  # the new head's random weights: the Trainer seeds only once the model exists
     with quiet_loading(run_flags.verbose):  # transformers says the new head's weights are missing: new on purpose
         model = models.load_pretrained(
             AutoModelForSequenceClassification, model_flags.model, num_labels=len(names), **remote,
             id2label=dict(enumerate(names)),
             label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)  # a fresh head for our labels
-    say(f"{model_flags.model}: a new classification head for {len(names)} classes")
+    model.config.pad_token_id = tokenizer.pad_token_id  # a decoder reads its last token that is not padding
+    say(f"{model_flags.model}: a new head for {'a reward' if rewards else f'{len(names)} classes'}")
     # The classification loss is a mean over the batch and ignores `num_items_in_batch`; the Trainer (transformers
     # 5.23) would still multiply it by the number of processes, doubling the gradients on 2 ranks.
     model.accepts_loss_kwargs = False
@@ -271,10 +295,15 @@ def main(argv=None):
     if resume:
         say(f"resuming from {resume.name}")
     stop = StopOnSignal(training.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
-    trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
-                      processing_class=tokenizer, data_collator=DataCollatorWithPadding(tokenizer),
-                      compute_metrics=lambda p: classification_metrics(p.predictions, p.label_ids, len(names)),
-                      callbacks=[EpochLine(say), stop])
+    if rewards:  # a reward model: Bradley-Terry over pairs, a batch's chosen and rejected texts padded together
+        trainer_class = functools.partial(reward.RewardTrainer, center=config.classifier.center_rewards_coefficient)
+        collator, scores = reward.PairCollator(tokenizer), lambda p: reward.reward_metrics(p.predictions)
+    else:
+        trainer_class, collator = Trainer, DataCollatorWithPadding(tokenizer)
+        scores = lambda p: classification_metrics(p.predictions, p.label_ids, len(names))
+    trainer = trainer_class(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
+                            processing_class=tokenizer, data_collator=collator, compute_metrics=scores,
+                            callbacks=[EpochLine(say), stop])
     if not run_flags.verbose:
         trainer.remove_callback(PrinterCallback)  # a dict of figures every logging_steps: EpochLine instead
 
@@ -288,7 +317,7 @@ def main(argv=None):
     metrics = trainer.evaluate()  # the best epoch's model, reloaded at the end of training
     final = out / "final"
     trainer.save_model(str(final))  # a collective under ZeRO-3: the shards are gathered
-    results = {"accuracy": metrics["eval_accuracy"], "f1_macro": metrics["eval_f1_macro"],
+    results = {"accuracy": metrics["eval_accuracy"], "f1_macro": metrics.get("eval_f1_macro"),
                "eval_loss": metrics["eval_loss"], "train_runtime_s": train_time,
                "samples_per_sec": train_metrics["train_samples_per_second"], "world_size": world_size,
                "labels": names, "train_log": [{k: h[k] for k in ("step", "loss", "grad_norm") if k in h}
@@ -296,11 +325,11 @@ def main(argv=None):
     unset_hf_deepspeed_config()  # from here on from_pretrained loads a whole model (no ZeRO-3 partitioning)
     if rank == 0:
         base.write_json(out / "results.json", results)
-        say(f"accuracy {results['accuracy']:.3f} | macro-F1 {results['f1_macro']:.3f} | "
-            f"eval loss {results['eval_loss']:.4f} | saved {final}")
+        scored = f"margin {metrics['eval_margin']:.3f}" if rewards else f"macro-F1 {results['f1_macro']:.3f}"
+        say(f"accuracy {results['accuracy']:.3f} | {scored} | eval loss {results['eval_loss']:.4f} | saved {final}")
         classify = pipeline("text-classification", model=str(final), device=device, **remote)
-        for example in examples:
-            answer = classify(example)[0]
+        for example in examples:  # a reward model: the first eval pair's chosen and rejected texts, and their rewards
+            answer = classify(example, **({"function_to_apply": "none"} if rewards else {}))[0]  # (a reward: raw)
             say(f"{answer['label']:>12} ({answer['score']:.2f})  {example[:70]!r}")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # leave the group cleanly: no abort at exit

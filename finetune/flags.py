@@ -153,7 +153,9 @@ class Zero(Piece):
 @dataclasses.dataclass(frozen=True)
 class Classifier(Piece):
     label_column: str = flag("label", "the class of each text: integers or strings (strings become class ids)")
-    max_length: int = flag(512, "tokens per text; longer texts are cut")
+    max_length: int = flag(512, "tokens per text; longer texts are cut (a reward model's pairs: left out, as TRL does)")
+    center_rewards_coefficient: float = flag(0.0, "reward models: add this times the mean squared sum of a pair's "
+                                             "rewards (TRL's; 0.01 recommended), so rewards center on 0")
 
 
 CAUSAL = (Data, Model, Train, Run)  # what single-gpu.py takes (zero-optimization.py: and Zero)

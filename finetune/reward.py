@@ -1,0 +1,112 @@
+"""Reward models in sequence_classification.py: a preference file (chosen, rejected; with or without a prompt; an
+optional margin) trains a one-output head so that the chosen answer scores higher (Bradley-Terry), as TRL's
+RewardTrainer and DeepSpeed-Chat's step 2 do: the step before RLHF, GRPO with a learned reward, or best-of-n sampling.
+Any model AutoModelForSequenceClassification builds: an encoder pools its first token, a decoder its last one that
+is not padding (its pad token set: the EOS where the tokenizer has none, as TRL does).
+
+A pair's two texts are the prompt followed by each answer (strings, each ending with the EOS as TRL adds it; or
+messages, rendered with the chat template); a pair whose longer text passes --max-length is left out and counted (as
+TRL filters it: a cut answer would be scored on what it did not say)."""
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from .base import fail
+from .preference import without_dropout
+
+COLUMNS = ("chosen", "rejected")
+
+
+def is_preference(columns):
+    return set(COLUMNS) <= set(columns)
+
+
+def pair_texts(row, tokenizer):
+    """(chosen text, rejected text) of a row: the prompt, if any, before each answer."""
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if prompt is not None:
+        chosen, rejected = prompt + chosen, prompt + rejected
+    if isinstance(chosen, list):
+        render = lambda turns: tokenizer.apply_chat_template(turns, tokenize=False)
+        return render(chosen), render(rejected)
+    eos = tokenizer.eos_token or ""
+    return tuple(text if text.endswith(eos) else text + eos for text in (chosen, rejected))
+
+
+def tokenized_pairs(split, tokenizer, max_length, name):
+    """The split as chosen_ids and rejected_ids (and margin, where the file has one), its over-long pairs left out;
+    and their count."""
+    wrong = next((c for c in COLUMNS if not all(isinstance(v, (str, list)) for v in split[c])), None)
+    if wrong:
+        fail(f"dataset {name}: {wrong} must be text or a list of messages in every row")
+
+    def tokenize(batch):
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        texts = [pair_texts(row, tokenizer) for row in rows]
+        ids = lambda k: [tokenizer(t[k], add_special_tokens=not isinstance(rows[0]["chosen"], list))["input_ids"]
+                         for t in texts]
+        return {"chosen_ids": ids(0), "rejected_ids": ids(1)}
+
+    margin = ["margin"] if "margin" in split.column_names else []
+    pairs = split.map(tokenize, batched=True, remove_columns=[c for c in split.column_names if c not in margin])
+    longest = np.maximum([len(x) for x in pairs["chosen_ids"]], [len(x) for x in pairs["rejected_ids"]])
+    kept = np.flatnonzero(longest <= max_length)
+    return pairs.select(kept), len(pairs) - len(kept)
+
+
+class PairCollator:
+    """A batch of pairs as one batch of texts, the chosen ones first, then the rejected ones, padded together: one
+    forward scores both."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, pairs):
+        texts = [{"input_ids": p["chosen_ids"]} for p in pairs] + [{"input_ids": p["rejected_ids"]} for p in pairs]
+        batch = dict(self.tokenizer.pad(texts, return_tensors="pt"))
+        if "margin" in pairs[0]:
+            batch["margin"] = torch.tensor([float(p["margin"]) for p in pairs])
+        return batch
+
+
+def bradley_terry(chosen, rejected, margin=None, center=0.0):
+    """TRL's reward loss: the mean of -log sigmoid(r_chosen - r_rejected - margin), plus `center` times the mean of
+    (r_chosen + r_rejected)^2 (Eisenstein et al. 2023: rewards near 0 on average; TRL's center_rewards_coefficient)."""
+    loss = -F.logsigmoid(chosen - rejected - (0 if margin is None else margin)).mean()
+    return loss + center * ((chosen + rejected) ** 2).mean() if center else loss
+
+
+class RewardTrainer(Trainer):
+    """The HF Trainer with the Bradley-Terry loss over a batch's pairs (PairCollator's layout); its predictions, each
+    pair's (chosen, rejected) rewards, for reward_metrics. The model trains without dropout, as TRL's RewardTrainer
+    does by default (DistilBERT's head drops 20% of its input): a pair's two rewards are then of the same function,
+    and one process and any number of ranks train alike."""
+
+    def __init__(self, *args, center=0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.center = center
+        without_dropout(self.model)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        margin = inputs.pop("margin", None)
+        chosen, rejected = model(**inputs).logits.squeeze(-1).float().chunk(2)
+        loss = bradley_terry(chosen, rejected, margin, self.center)
+        return (loss, torch.stack([chosen, rejected], dim=1)) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, rewards = self.compute_loss(model, inputs, return_outputs=True)
+        return loss.detach(), rewards.detach(), torch.zeros(len(rewards), device=rewards.device)  # (no labels)
+
+
+def reward_metrics(rewards):
+    """The held-out pairs' accuracy (the chosen answer scored higher), mean margin, and the score that picks the best
+    epoch: accuracy, ties broken by the lower Bradley-Terry loss (as classification_metrics does)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    difference = rewards[:, 0] - rewards[:, 1]
+    accuracy = float(np.mean(difference > 0))
+    loss = float(np.mean(np.logaddexp(0.0, -difference)))
+    return {"accuracy": accuracy, "margin": float(np.mean(difference)),
+            "accuracy_then_loss": accuracy - min(loss, 100.0) / (101.0 * len(difference))}
