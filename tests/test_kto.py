@@ -153,11 +153,19 @@ def test_a_step_is_the_formula_on_stock_transformers_with_the_global_batchs_kl(p
 
 
 def test_zero_3_on_2_ranks_trains_as_one_process_with_the_global_batchs_kl(pairs, rows, one_process, tmp_path):
-    """One launch, three runs: 2 ranks x micro-batch 2 x 2 micro-steps, the global batch of one process's 4 x 2:
+    """One launch, four runs: 2 ranks x micro-batch 2 x 2 micro-steps, the global batch of one process's 4 x 2:
     ZeRO-3 with gradient checkpointing, ZeRO-2 with a unit's two sequences in two rows, LoRA under ZeRO-3 (its
-    reference the base). The KL term is the global batch's: each rank's own would differ."""
+    reference the base); and ZeRO-2 at one micro-step a step (4 a rank; one process: 8), whose kl the loss makes
+    from its own forward, summed over the ranks, with no pass before the step. The KL term is the global batch's:
+    each rank's own would differ."""
     lora = {"--lora-rank": 4, "--lora-alpha": 8, "--lr": 1e-2}
-    cases = {"zero-3": (3, {}), "rows": (2, {"--packing": "none"}), "lora": (3, lora)}
+    once = {"--grad-accum": 1}
+    cases = {  # name: (stage, the 2-rank run's flags, the one-process run's)
+        "zero-3": (3, {}, {}),
+        "rows": (2, {"--packing": "none"}, {"--packing": "none"}),
+        "lora": (3, lora, lora),
+        "one-micro-step": (2, {**once, "--batch-size": 4}, {**once, "--batch-size": 8}),
+    }
     argvs = [
         kto_args(
             pairs,
@@ -166,12 +174,12 @@ def test_zero_3_on_2_ranks_trains_as_one_process_with_the_global_batchs_kl(pairs
             **{"--batch-size": 2, "--save-every": 1, "--eval-every": 2, "--zero-stage": stage, **given},
         )
         + ["--deepspeed", *(["--gradient-checkpointing"] if name == "zero-3" else [])]
-        for name, (stage, given) in cases.items()
+        for name, (stage, given, _) in cases.items()
     ]
     (tmp_path / "runs.json").write_text(json.dumps(argvs))
     check(launch("forked", "tests/zero_runs.py", [str(tmp_path / "runs.json")], timeout=900))
-    for name, (_, given) in cases.items():
-        one = one_process(**given)
+    for name, (_, _, alone) in cases.items():
+        one = one_process(**alone)
         a, b = results(one), results(tmp_path / name)
         assert b["world_size"] == 2 and b["global_batch_size"] == 8, name
         assert_close_losses(a["losses"], b["losses"])
@@ -180,6 +188,10 @@ def test_zero_3_on_2_ranks_trains_as_one_process_with_the_global_batchs_kl(pairs
         assert max(b["kl"]) > 0.01, name  # the KL term took part
         assert b["evals"][-1][1] == pytest.approx(a["evals"][-1][1], rel=1e-5)
         assert_same_weights(weights(one / "final"), weights(tmp_path / name / "final"), atol=1e-4)
+    # the kl made in the loss (one micro-step a step) is the one the pass before the step makes (two)
+    single_step, two_steps = results(one_process(**once, **{"--batch-size": 8})), results(one_process())
+    assert_close_losses(single_step["losses"], two_steps["losses"])
+    torch.testing.assert_close(torch.tensor(single_step["kl"]), torch.tensor(two_steps["kl"]), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

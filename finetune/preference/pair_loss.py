@@ -24,7 +24,7 @@ class PairLoss:
     kto (unpaired rows: a pair's answers are a completion and its KL completion; Ethayarajh et al. 2024, eq. 7, as
     TRL's KTOTrainer): with z = beta (c - c0 - kl), a desirable completion's loss desirable_weight (1 - sigmoid(z)),
     an undesirable one's undesirable_weight (1 - sigmoid(-z)); kl, the reference point, the mean of r - r0 over the
-    step's whole global batch, at least 0, held constant (kl_point)."""
+    step's whole global batch, at least 0, held constant (kl_point; reference_point)."""
     kind: str = "sigmoid"
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -86,18 +86,32 @@ class PairLoss:
         return self.beta * (logps - reference if self.needs_reference else logps / lengths)
 
 
+def reference_point(logps, targets):
+    """KTO's kl for this batch (None for pairs): the step's, made before it (preference.kl_point), or, where the step
+    is one micro-batch a rank (then no pass before it), made here from this batch's KL completions on every rank: the
+    mean of their log-ratio to the reference, summed over the ranks (an all-reduce of two numbers), at least 0. Every
+    rank runs the same micro-steps, so every rank takes part."""
+    if targets.desirable is None or targets.kl is not None:
+        return targets.kl
+    sums = torch.stack([(logps[:, 1].detach().double() - targets.reference[:, 1].double()).sum(),
+                        torch.tensor(float(len(logps)), dtype=torch.float64, device=logps.device)])
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(sums)
+    return (sums[0] / sums[1].clamp(min=1)).clamp(min=0).float()
+
+
 def scored(pair_loss, logps, targets, lengths, *, stats):
     """A PairLoss summed over the pairs, d(loss)/d(logps) ((pairs, 2)), and the metrics' sums (metrics)."""
+    kl = reference_point(logps, targets)
     with torch.enable_grad():
         leaf = logps.detach().requires_grad_()
-        loss = pair_loss.per_pair(leaf, targets.reference, lengths, desirable=targets.desirable,
-                                  kl=targets.kl).sum()
+        loss = pair_loss.per_pair(leaf, targets.reference, lengths, desirable=targets.desirable, kl=kl).sum()
         d_logps, = torch.autograd.grad(loss, leaf)
-    sums = metrics(pair_loss, logps.detach(), targets, lengths, stats=stats)
+    sums = metrics(pair_loss, logps.detach(), targets, lengths, stats=stats, kl=kl)
     return loss.detach(), d_logps, sums
 
 
-def metrics(pair_loss, logps, targets, lengths, *, stats):
+def metrics(pair_loss, logps, targets, lengths, *, stats, kl=None):
     """The metrics' sums (metrics.metric_values names them): the chosen and rejected rewards, the pairs ranked right,
     the answers' log-probabilities; from `stats` (answer_stats, per predicted token), per answer the mean logits' and
     the tokens' sums, the chosen tokens predicted first, the entropies' sum; KTO's reference point and units (0 for
@@ -118,7 +132,7 @@ def metrics(pair_loss, logps, targets, lengths, *, stats):
     return torch.stack([(chosen * good).sum(), (chosen * bad).sum(), good.sum(), (logps[:, 0] * good).sum(),
                         (logps[:, 0] * bad).sum(), (mean_logit * good_token).sum(), (mean_logit * bad_token).sum(),
                         good_token.sum(), bad_token.sum(), (top1 * good_token).sum(), (entropy * first).sum(),
-                        targets.kl * pairs, chosen.new_tensor(pairs)]).detach().float()
+                        kl * pairs, chosen.new_tensor(pairs)]).detach().float()
 
 
 def answer_stats(logits, labels):
@@ -140,9 +154,10 @@ def preference_loss(token, targets, pair_loss, stats=None):
     if targets.reference is None:
         return logps.view(-1, 2)
     lengths = answer_lengths(targets.sequence, targets.pairs)
+    kl = reference_point(logps.view(-1, 2), targets)
     loss = pair_loss.per_pair(logps.view(-1, 2), targets.reference, lengths, desirable=targets.desirable,
-                              kl=targets.kl).sum()
-    return loss, metrics(pair_loss, logps.view(-1, 2), targets, lengths, stats=stats)
+                              kl=kl).sum()
+    return loss, metrics(pair_loss, logps.view(-1, 2), targets, lengths, stats=stats, kl=kl)
 
 
 def answer_lengths(sequence, pairs):

@@ -117,8 +117,9 @@ def kl_point(model, blocks, micro_batches, process):
     reference, r - r0, at least 0, as TRL's KTOTrainer estimates it from its batch. A pass without gradients
     before the step's first micro-step (the scripts call it for unpaired rows), so the loss of every micro-step on
     every rank takes the same value: one process and any number of ranks train alike. No host read: the value stays
-    on the device."""
-    if blocks.desirable is None:
+    on the device. Where the step is one micro-batch a rank, no pass: None, and the loss makes the same value from
+    that micro-batch's own forward (pair_loss.reference_point)."""
+    if blocks.desirable is None or len(micro_batches) == 1:
         return None
     sums = torch.zeros(2, dtype=torch.float64, device=process.device)
     for micro in micro_batches:
