@@ -43,6 +43,15 @@ def launch(cmd, out):
     return seconds, run.stdout
 
 
+def sft_model(out):
+    """The starting point, made once: the demo's supervised fine-tuning (`single-gpu.py --demo`), in out/sft/final."""
+    sft = out / "sft"
+    if not (sft / "final" / "config.json").exists():
+        cmd = [sys.executable, "single-gpu.py", "--demo", "--batch-size", "16", "--output-dir", str(sft)]
+        launch([*cmd, "--overwrite", "--prompt", ""], sft)
+    return sft
+
+
 def free_port():
     import socket
 
@@ -114,23 +123,7 @@ def main():
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sft = out / "sft"
-    if not (sft / "final" / "config.json").exists():  # the starting point: the demo's supervised fine-tuning
-        launch(
-            [
-                sys.executable,
-                "single-gpu.py",
-                "--demo",
-                "--batch-size",
-                "16",
-                "--output-dir",
-                str(sft),
-                "--overwrite",
-                "--prompt",
-                "",
-            ],
-            sft,
-        )
+    sft = sft_model(out)
     demo.make_demo_pairs(out / "pairs.jsonl", n=args.pairs, seed=7, style="messages")
     demo.make_demo_pairs(out / "held-out.jsonl", n=args.held_out, seed=8, style="messages")
     chosen = [json.loads(line) for line in open(out / "pairs.jsonl")]
@@ -164,7 +157,9 @@ def main():
     times, rows = {}, {}
     trl = lambda folder, *more: [
         *deepspeed(),
-        "bench/trl_dpo.py",
+        "bench/trl_peer.py",
+        "--trainer",
+        "dpo",
         "--model",
         str(sft / "final"),
         "--dataset",

@@ -15,10 +15,9 @@ import json
 import random
 import re
 import statistics
-import sys
 from pathlib import Path
 
-from dpo import BIN, ROOT, free_port, launch, score
+from dpo import BIN, ROOT, free_port, launch, score, sft_model
 
 from finetune.internals import demo
 
@@ -48,10 +47,7 @@ def main():
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sft = out / "sft"
-    if not (sft / "final" / "config.json").exists():  # the starting point: the demo's supervised fine-tuning
-        cmd = [sys.executable, "single-gpu.py", "--demo", "--batch-size", "16", "--output-dir", str(sft)]
-        launch([*cmd, "--overwrite", "--prompt", ""], sft)
+    sft = sft_model(out)
     demo.make_demo_pairs(out / "pairs.jsonl", n=args.pairs, seed=7, style="messages")
     demo.make_demo_pairs(out / "held-out.jsonl", n=args.held_out, seed=8, style="messages")
     rows = unpaired_rows(out / "pairs.jsonl", out / "rows.jsonl")
@@ -66,7 +62,9 @@ def main():
     ours += ["--eval-dataset", str(out / "held-out-rows.jsonl"), "--max-eval-samples", "12", *common]
     trl = lambda folder, *more: [
         *deepspeed(),
-        "bench/trl_kto.py",
+        "bench/trl_peer.py",
+        "--trainer",
+        "kto",
         "--model",
         str(sft / "final"),
         "--dataset",

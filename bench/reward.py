@@ -12,11 +12,10 @@ Ours holds 5% of the file out for its per-epoch eval; TRL trains on the same 95%
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
-from dpo import BIN, ROOT, free_port, launch
+from dpo import BIN, ROOT, free_port, launch, sft_model
 
 from finetune import data, reward
 from finetune.internals import demo
@@ -46,10 +45,7 @@ def main():
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sft = out / "sft"
-    if not (sft / "final" / "config.json").exists():  # the starting point: the demo's supervised fine-tuning
-        cmd = [sys.executable, "single-gpu.py", "--demo", "--batch-size", "16", "--output-dir", str(sft)]
-        launch([*cmd, "--overwrite", "--prompt", ""], sft)
+    sft = sft_model(out)
     demo.make_demo_pairs(out / "pairs.jsonl", n=args.pairs, seed=7, style="messages")
     demo.make_demo_pairs(out / "held-out.jsonl", n=args.held_out, seed=8, style="messages")
     ours_train = data.load_splits(str(out / "pairs.jsonl"), seed=42)[0]  # what ours trains on: TRL the same rows
@@ -59,12 +55,25 @@ def main():
     ours = [*deepspeed(), "sequence_classification.py", "--dataset", str(out / "pairs.jsonl"), *common]
     ours += ["--deepspeed", "ds_config_zero2.json", "--batch-size", "6", "--max-length", "256", "--weight-decay", "0"]
     ours += ["--warmup-ratio", "0.05", "--overwrite", "--output-dir", str(out / "ours")]
-    trl = lambda folder, *more: [*deepspeed(), "bench/trl_reward.py", "--dataset", str(out / "train.jsonl"), *common]
-    trl_args = lambda folder: ["--batch-size", "6", "--max-length", "256", "--output-dir", str(out / folder)]
+    trl = lambda folder: [
+        *deepspeed(),
+        "bench/trl_peer.py",
+        "--trainer",
+        "reward",
+        *common,
+        "--batch-size",
+        "6",
+        "--dataset",
+        str(out / "train.jsonl"),
+        "--max-length",
+        "256",
+        "--output-dir",
+        str(out / folder),
+    ]
     runs = [
         ("ours (sequence_classification.py)", "ours", ours),
-        ("TRL RewardTrainer", "trl", [*trl("trl"), *trl_args("trl")]),  # its defaults: gradient checkpointing on
-        ("TRL RewardTrainer, set for speed", "trl-fast", [*trl("trl-fast"), *trl_args("trl-fast"), "--fast"]),
+        ("TRL RewardTrainer", "trl", trl("trl")),  # its defaults: gradient checkpointing on
+        ("TRL RewardTrainer, set for speed", "trl-fast", [*trl("trl-fast"), "--fast"]),
     ]
     seconds = {}
     for turn in range(args.repeat):
