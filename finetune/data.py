@@ -274,7 +274,8 @@ def _tokenized(split, name, *, fmt, names, data, tokenizer):
                                   **({"cut": datasets.Value("string")} if fmt in preference.FORMATS else {})})
     rows = split.select_columns(list(names.values())).rename_columns({v: k for k, v in names.items()})
     if fmt == "unpaired":  # each row's mismatched completion, from the split's other rows
-        rows = rows.add_column("kl_completion", preference.mismatched(rows["completion"]))
+        column = lambda name: rows.with_format("arrow")[name].to_pylist()  # whole: a Column reads a row a call
+        rows = rows.add_column("kl_completion", preference.mismatched(column("prompt"), column("completion")))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(data.num_proc or cores, max(1, len(rows) // 2000))  # at least 2,000 rows per process
     if workers > 1:

@@ -136,6 +136,14 @@ def hosts(tmp_path_factory):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)  # its end of the veth pair with it
 
 
+def cmdline(pid):
+    """A process's command line, or "" once it has ended (between listing the processes and reading it)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def test_two_hosts_over_ssh_train_and_a_host_lost_mid_run_ends_the_job_and_the_first_resumes_alone(
     hosts, tiny, uninterrupted, tmp_path
 ):
@@ -192,15 +200,15 @@ def test_two_hosts_over_ssh_train_and_a_host_lost_mid_run_ends_the_job_and_the_f
             for pid in subprocess.run(
                 ["ip", "netns", "pids", hosts["names"][0]], capture_output=True, text=True
             ).stdout.split()
-            if "sshd" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+            if "sshd" not in cmdline(pid)
         ]
         if not left:
             break
         time.sleep(0.1)
-    assert not left, [Path(f"/proc/{pid}/cmdline").read_text() for pid in left]
+    assert not left, [cmdline(pid) for pid in left]
     pids = subprocess.run(["ip", "netns", "pids", hosts["names"][1]], capture_output=True, text=True).stdout.split()
     for pid in pids:
-        if "zero-optimization" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+        if "zero-optimization" in cmdline(pid):
             os.kill(int(pid), signal.SIGKILL)  # the lost host's rank: its own timeout would end it later
     assert all(f"{a}:" in text for a in hosts["addresses"])  # pdsh ran a launcher on each host
     latest = (out / "checkpoints" / "latest").read_text()

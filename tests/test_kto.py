@@ -67,9 +67,11 @@ def one_process(pairs, rows, tmp_path_factory):
 
 
 def test_mismatched_completions_come_from_other_rows():
-    assert preference.mismatched(["a", "b", "c"]) == ["c", "a", "b"]
-    assert preference.mismatched(["a", "", "a", "b"]) == ["b", None, "b", "a"]  # never its own, never an empty one
-    assert preference.mismatched(["a", "a"]) == [None, None]
+    assert preference.mismatched(["p", "q", "r"], ["a", "b", "c"]) == ["c", "a", "b"]
+    # never its own completion, nor an empty one, nor one of a row with its own prompt
+    assert preference.mismatched(["p", "q", "r", "s"], ["a", "", "a", "b"]) == ["b", None, "b", "a"]
+    assert preference.mismatched(["p", "p", "q", "q"], ["a", "b", "c", "d"]) == ["d", "d", "b", "b"]
+    assert preference.mismatched(["p", "q"], ["a", "a"]) == [None, None]
 
 
 def test_unpaired_rows_are_found_and_each_unit_holds_a_completion_and_another_rows(pairs, tmp_path):

@@ -163,17 +163,19 @@ def documents(rows, tokenizer, block_size, chat_document, share=False):
     return ids, loss, notes
 
 
-def mismatched(completions):
-    """Each row's KL completion: the nearest earlier row's completion that differs from its own (the first rows take
-    the last ones'), as TRL's KTO takes the batch's completions shifted by one; None where none of the 64 rows before
-    has another (an empty completion gives none, and gets none)."""
+def mismatched(prompts, completions):
+    """Each row's KL completion: the completion of the nearest earlier row with another prompt and another
+    completion (the first rows take the last ones'), as TRL's KTO takes the batch's completions shifted by one; None
+    where none of the 64 rows before has one (an empty completion gives none, and gets none). Another prompt: a file
+    that lists a prompt's good and bad completions one after the other would otherwise pair a prompt with one of its
+    own answers."""
     usable = [i for i, c in enumerate(completions) if c and isinstance(c, (str, list))]
     other = [None] * len(completions)
     for place, i in enumerate(usable):
         for back in range(1, min(len(usable), 65)):
-            candidate = completions[usable[place - back]]
-            if candidate != completions[i]:
-                other[i] = candidate
+            j = usable[place - back]
+            if prompts[j] != prompts[i] and completions[j] != completions[i]:
+                other[i] = completions[j]
                 break
     return other
 
