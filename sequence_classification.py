@@ -57,9 +57,10 @@ def texts_and_labels(config, tokenizer):
     dataset, text, max_length = config.data.dataset, config.data.text_column, config.classifier.max_length
     train, evaluation = data.load_splits(dataset, seed=config.train.seed)
     if reward.is_preference(train.column_names):
+        (train, dropped), (pairs, _) = (reward.tokenized_pairs(split, tokenizer, max_length, dataset)
+                                        for split in (train, evaluation))  # (their texts checked)
         examples = list(reward.pair_texts(evaluation[0], tokenizer)) if len(evaluation) else []
-        (train, dropped), (evaluation, _) = (reward.tokenized_pairs(split, tokenizer, max_length, dataset)
-                                             for split in (train, evaluation))
+        evaluation = pairs
         if not len(train):
             base.fail(f"every pair of dataset {dataset} is longer than --max-length {max_length}: raise it")
         said = f" ({dropped} longer than --max-length {max_length} left out)" if dropped else ""

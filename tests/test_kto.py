@@ -5,6 +5,7 @@ transformers, and ZeRO on 2 ranks the same run as one process (the KL term over 
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +217,26 @@ def test_flags_kto_cannot_take_are_one_line(pairs, rows, tmp_path, flags, messag
 def test_kto_on_pairs_is_one_line(pairs, tmp_path):
     with pytest.raises(SystemExit, match="--preference-loss kto takes unpaired rows"):
         single.main(dpo_args(pairs, tmp_path / "out", **{"--preference-loss": "kto"}))
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        (
+            [{"prompt": "a", "completion": " b", "label": "yes"}, {"prompt": "c", "completion": " d", "label": 2}],
+            "label is not true or false",
+        ),
+        (
+            [{"prompt": "a", "completion": " b", "label": True}, {"prompt": "a", "completion": " b", "label": False}],
+            "no other row's completion to estimate the KL term from",
+        ),
+    ],
+)
+def test_a_file_with_no_usable_row_is_one_line_and_nothing_is_prepared(pairs, tmp_path, rows, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 8))
+    cache = Path(data_args(path).cache_dir)
+    before = set(cache.iterdir()) if cache.exists() else set()
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        data.prepare(data_args(path), pairs["tokenizer"], seed=0)
+    assert {p for p in cache.iterdir() if not p.name.endswith(".failed")} <= before

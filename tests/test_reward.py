@@ -152,3 +152,18 @@ def test_zero_2_and_3_on_2_ranks_learn_the_pairs_and_save_whole_models(rewards, 
     zero2, zero3 = runs.values()  # the first 10 steps: one process
     assert zero2["train_log"][0]["loss"] == pytest.approx(one["train_log"][0]["loss"], rel=1e-5)
     assert zero3["train_log"][0]["loss"] == pytest.approx(one["train_log"][0]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rows, flags, message",
+    [
+        ([{"chosen": "a b", "rejected": 5}], [], "rejected must be text or a list of messages in every row"),
+        ([{"chosen": "good " * 40, "rejected": "bad " * 40}], ["--max-length", "8"], "longer than --max-length 8"),
+    ],
+)
+def test_a_preference_file_it_cannot_train_is_one_line(rewards, tmp_path, rows, flags, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows * 40))
+    with pytest.raises(SystemExit, match=message):
+        classification.main(args(rewards, tmp_path / "out", "encoder", "pairs.jsonl", "--dataset", str(path), *flags))
+    assert not (tmp_path / "out").exists()
