@@ -43,6 +43,27 @@ def launch(cmd, out):
     return seconds, run.stdout
 
 
+def timed_runs(runs, repeat, out):
+    """Each (name, folder, command) launched `repeat` times, in alternating order (one run moves 10-20% on a shared
+    machine): {name: {"folder", "seconds": [...], "reference": [the reference pass's seconds, where it says them]}}."""
+    found = {}
+    for turn in range(repeat):
+        for name, folder, cmd in runs if turn % 2 == 0 else runs[::-1]:
+            seconds, stdout = launch(cmd, out / folder)
+            row = found.setdefault(name, {"folder": out / folder, "seconds": [], "reference": []})
+            row["seconds"].append(seconds)
+            reference = re.search(r"computed once in ([\d.]+) s", stdout)
+            row["reference"] += [float(reference.group(1))] if reference else []
+    return found
+
+
+def wall_cells(seconds, *peers):
+    """A run's table cells: its median seconds [range], then its median over each peer's (lists of seconds)."""
+    median = statistics.median(seconds)
+    ratios = " | ".join(f"{median / statistics.median(peer):.2f}x" for peer in peers)
+    return f"{median:.0f} [{min(seconds):.0f}-{max(seconds):.0f}] | {ratios} |"
+
+
 def sft_model(out):
     """The starting point, made once: the demo's supervised fine-tuning (`single-gpu.py --demo`), in out/sft/final."""
     sft = out / "sft"
@@ -154,7 +175,6 @@ def main():
     # TRL's run evaluates nothing; ours evaluates at least at the end: on one step's worth of the held-out pairs
     held_out = ["--eval-dataset", str(out / "held-out.jsonl"), "--max-eval-samples", "12"]
     deepspeed = lambda: [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
-    times, rows = {}, {}
     trl = lambda folder, *more: [
         *deepspeed(),
         "bench/trl_peer.py",
@@ -215,16 +235,7 @@ def main():
         ("TRL DPOTrainer", "trl", trl("trl")),  # its defaults: gradient checkpointing on, the reference alongside
         ("TRL DPOTrainer, set for speed", "trl-fast", trl("trl-fast", "--fast")),
     ]
-    for turn in range(args.repeat):
-        for name, folder, cmd in runs if turn % 2 == 0 else runs[::-1]:
-            seconds, stdout = launch(cmd, out / folder)
-            found = re.search(r"computed once in ([\d.]+) s", stdout)
-            row = rows.setdefault(name, {"folder": out / folder, "seconds": [], "reference": []})
-            row["seconds"].append(seconds)
-            row["reference"] += [float(found.group(1))] if found else []
-    for name, row in rows.items():
-        times[name] = statistics.median(row["seconds"])
-        row["reference_s"] = statistics.median(row["reference"]) if row["reference"] else None
+    rows = timed_runs(runs, args.repeat, out)
     # SFT on the same data (prompt + chosen answer), for tokens/s
     sft_cmd = [
         *deepspeed(),
@@ -241,7 +252,7 @@ def main():
         "--epochs",
         str(args.epochs),
     ]
-    times["SFT, same data"], _ = launch(sft_cmd, out / "sft-same")
+    sft_seconds, _ = launch(sft_cmd, out / "sft-same")
     pairs = [json.loads(line) for line in open(out / "held-out.jsonl")]
     scores = score(
         {name: r["folder"] / "final" for name, r in rows.items()} | {"SFT model (the reference)": sft / "final"},
@@ -262,17 +273,15 @@ def main():
             lines.append(quality + " - | - | - | - | - |")
             continue
         res = json.loads((r["folder"] / "results.json").read_text()) if "TRL" not in name else {}
-        wall = times[name]
+        peers = (rows["TRL DPOTrainer"]["seconds"], rows["TRL DPOTrainer, set for speed"]["seconds"])
+        reference = statistics.median(r["reference"]) if r["reference"] else "-"
         lines.append(
-            f"{quality} {wall:.0f} [{min(r['seconds']):.0f}-{max(r['seconds']):.0f}] | "
-            f"{wall / times['TRL DPOTrainer']:.2f}x | {wall / times['TRL DPOTrainer, set for speed']:.2f}x | "
-            f"{r['reference_s'] or '-'} | "
-            f"{res.get('tokens_per_sec') or 0:,.0f} |"
+            f"{quality} {wall_cells(r['seconds'], *peers)} {reference} | {res.get('tokens_per_sec') or 0:,.0f} |"
         )
     sft_same = json.loads((out / "sft-same" / "results.json").read_text())
     lines.append(
         f"\nSFT on the same data (prompt + chosen answer, same flags): {sft_same['tokens_per_sec']:,.0f} "
-        f"tok/s, {times['SFT, same data']:.0f} s wall clock."
+        f"tok/s, {sft_seconds:.0f} s wall clock."
     )
     (out / "DPO.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -13,11 +13,10 @@ desirable, the wrong one not), shuffled, so a row's mismatched completion answer
 import argparse
 import json
 import random
-import re
 import statistics
 from pathlib import Path
 
-from dpo import BIN, ROOT, free_port, launch, score, sft_model
+from dpo import BIN, ROOT, free_port, score, sft_model, timed_runs, wall_cells
 
 from finetune.internals import demo
 
@@ -83,15 +82,7 @@ def main():
         ("TRL KTOTrainer", "trl", trl("trl")),  # its defaults: gradient checkpointing on, the reference alongside
         ("TRL KTOTrainer, set for speed", "trl-fast", trl("trl-fast", "--fast")),
     ]
-    found = {}
-    for turn in range(args.repeat):
-        for name, folder, cmd in runs if turn % 2 == 0 else runs[::-1]:
-            seconds, stdout = launch(cmd, out / folder)
-            row = found.setdefault(name, {"folder": out / folder, "seconds": [], "reference": [], "steps": None})
-            row["seconds"].append(seconds)
-            reference = re.search(r"computed once in ([\d.]+) s", stdout)
-            row["reference"] += [float(reference.group(1))] if reference else []
-    times = {name: statistics.median(row["seconds"]) for name, row in found.items()}
+    found = timed_runs(runs, args.repeat, out)
     pairs = [json.loads(line) for line in open(out / "held-out.jsonl")]
     models = {name: r["folder"] / "final" for name, r in found.items()} | {"SFT model (the reference)": sft / "final"}
     scores = score(models, sft / "final", pairs, args.beta)
@@ -111,11 +102,10 @@ def main():
             continue
         res = json.loads((r["folder"] / "results.json").read_text())
         steps = res.get("steps") or len(res.get("losses", []))
-        wall = times[name]
+        peers = (found["TRL KTOTrainer"]["seconds"], found["TRL KTOTrainer, set for speed"]["seconds"])
+        reference = statistics.median(r["reference"]) if r["reference"] else "-"
         lines.append(
-            f"{quality} {wall:.0f} [{min(r['seconds']):.0f}-{max(r['seconds']):.0f}] | "
-            f"{wall / times['TRL KTOTrainer']:.2f}x | {wall / times['TRL KTOTrainer, set for speed']:.2f}x | "
-            f"{statistics.median(r['reference']) if r['reference'] else '-'} | {steps} | "
+            f"{quality} {wall_cells(r['seconds'], *peers)} {reference} | {steps} | "
             f"{res.get('tokens_per_sec') or 0:,.0f} |"
         )
     (out / "KTO.md").write_text("\n".join(lines) + "\n")

@@ -11,11 +11,10 @@ Ours holds 5% of the file out for its per-epoch eval; TRL trains on the same 95%
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
-from dpo import BIN, ROOT, free_port, launch, sft_model
+from dpo import BIN, ROOT, free_port, sft_model, timed_runs, wall_cells
 
 from finetune import data, reward
 from finetune.internals import demo
@@ -75,12 +74,8 @@ def main():
         ("TRL RewardTrainer", "trl", trl("trl")),  # its defaults: gradient checkpointing on
         ("TRL RewardTrainer, set for speed", "trl-fast", [*trl("trl-fast"), "--fast"]),
     ]
-    seconds = {}
-    for turn in range(args.repeat):
-        for name, folder, cmd in runs if turn % 2 == 0 else runs[::-1]:
-            seconds.setdefault(name, []).append(launch(cmd, out / folder)[0])
+    found = timed_runs(runs, args.repeat, out)
     held_out = [json.loads(line) for line in open(out / "held-out.jsonl")]
-    times = {name: statistics.median(s) for name, s in seconds.items()}
     lines = [
         f"{len(ours_train):,} pairs, {args.epochs:g} epoch, lr {args.lr:g}, 6 pairs a rank a step, 2 CPU ranks, "
         f"ZeRO-2; held-out: {len(held_out)} pairs",
@@ -88,13 +83,9 @@ def main():
         f"| run | held-out accuracy | wall clock (s), median of {args.repeat} [range] | x TRL | x TRL set for speed |",
         "|---|---|---|---|---|",
     ]
-    for name, folder, _ in runs:
-        s = seconds[name]
-        lines.append(
-            f"| {name} | {accuracy(out / folder / 'final', held_out):.3f} | {times[name]:.0f} [{min(s):.0f}-"
-            f"{max(s):.0f}] | {times[name] / times['TRL RewardTrainer']:.2f}x | "
-            f"{times[name] / times['TRL RewardTrainer, set for speed']:.2f}x |"
-        )
+    peers = (found["TRL RewardTrainer"]["seconds"], found["TRL RewardTrainer, set for speed"]["seconds"])
+    for name, r in found.items():
+        lines.append(f"| {name} | {accuracy(r['folder'] / 'final', held_out):.3f} | {wall_cells(r['seconds'], *peers)}")
     (out / "REWARD.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -187,7 +187,7 @@ class Blocks:
         self.pieces = np.load(folder / "pieces.npy") if paired else None  # pairs, block by block
         self.pairs_total = len(self.pieces) if self.pieces is not None else 0
         if self.format == "unpaired":
-            self.desirable = torch.from_numpy(np.load(folder / "desirable.npy"))
+            self.desirable = np.load(folder / "desirable.npy")
         self.first_piece = np.cumsum(self.predicted) - self.predicted
         self.packing, self.row_tokens = meta["packing"], meta["row_tokens"]  # (a row's most tokens)
         self.split_rows = self.pieces is not None and meta["packing"] == "none"  # a pair's sequences: two rows
@@ -262,8 +262,9 @@ class Blocks:
             return Batch(inputs, dynamic(Targets(labels, index), width))
         # pairs: per predicted token its sequence (2 per pair: chosen, rejected), and the pairs' references
         pairs = self.pair_ids(indices) if carry_loss else np.zeros(0, np.int64)
-        reference = self.reference[torch.from_numpy(pairs)].to(device) if self.reference is not None else None
-        desirable = self.desirable[torch.from_numpy(pairs)].to(device) if self.desirable is not None else None
+        # (pinned and asynchronous on a GPU, as the batch's other host arrays: no wait on the device a micro-step)
+        reference = process.to_device(self.reference.numpy()[pairs]) if self.reference is not None else None
+        desirable = process.to_device(self.desirable[pairs]) if self.desirable is not None else None
         sequence = process.to_device(host.sequence.ravel()[where_loss])
         return Batch(inputs, dynamic(Targets(labels, index, sequence, len(pairs), reference, desirable, kl), width))
 

@@ -146,7 +146,7 @@ def test_a_step_is_the_formula_on_stock_transformers_with_the_global_batchs_kl(p
     logps = torch.stack([torch.stack([_logp(stock, *seqs[i][:2]), _logp(stock, *seqs[i][2:])]) for i in ids])
     kl = (logps[:, 1] - reference[ids, 1]).mean().clamp(min=0).detach()
     z = 0.5 * (logps[:, 0] - reference[ids, 0] - kl)
-    desirable = train.desirable[torch.from_numpy(ids)]
+    desirable = torch.from_numpy(train.desirable[ids])
     loss = torch.where(desirable, 1 - torch.sigmoid(z), 1 - torch.sigmoid(-z)).mean()
     loss.backward()
     norm = torch.sqrt(sum((p.grad**2).sum() for p in stock.parameters())).item()

@@ -94,7 +94,7 @@ def reference_point(logps, targets):
     if targets.desirable is None or targets.kl is not None:
         return targets.kl
     sums = torch.stack([(logps[:, 1].detach().double() - targets.reference[:, 1].double()).sum(),
-                        torch.tensor(float(len(logps)), dtype=torch.float64, device=logps.device)])
+                        torch.full((), len(logps), dtype=torch.float64, device=logps.device)])  # (no copy)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(sums)
     return (sums[0] / sums[1].clamp(min=1)).clamp(min=0).float()
