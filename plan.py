@@ -7,7 +7,8 @@
 Per GPU: the model states (weights, gradients, fp32 master weights, Adam moments and DeepSpeed's own buffers) as
 DeepSpeed 0.19.8 allocates them on this project's path, one accounting for every stage, read from its source
 (runtime/zero/stage_1_and_2.py, stage3.py, fp16/unfused_optimizer.py) and checked against the bytes each rank holds
-(tests/test_plan.py: within 0.1% at every stage, offload, precision, 1 and 2 ranks; docs/planner.md); then the
+(tests/test_plan.py: within 0.1% at every stage, offload, precision, 1 and 2 ranks; tests/test_simulated_world.py:
+0.5% at 8, 64 and 512 ranks on torch's fake process group; docs/planner.md), for the rank holding the most; then the
 peak of a step: activations and logits as the loss path holds them, buckets, transients. Per node: CPU memory.
 Activations are counted for the model and precision on a narrowed copy of its layers (finetune/memory.layer_bytes):
 on an H100 the planned peaks were 2-7% under the measured. Where DeepSpeed's own estimators disagree with its
@@ -15,6 +16,7 @@ source, the source wins (docs/planner.md).
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -28,6 +30,7 @@ from finetune.internals.model_shapes import (  # noqa: F401
     count_params,
     layer_params,
     load_config,
+    optimizer_groups,
     parameters,
     quantization_constants,
 )
@@ -42,10 +45,12 @@ OPTIONS = ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-2 + CPU offload", "ZeRO
            "ZeRO-3 + NVMe offload"]  # fastest first
 
 
-def model_states(params, hidden, precision, ranks, option, *, layer=None):
+def model_states(params, hidden, precision, ranks, option, *, layer=None, groups=None, rank=None):
     """Bytes of model states one rank holds: {"after_backward", "after_step", "in_step", "gpu", "cpu"} (gpu/cpu:
     how the after-backward figure splits with offload). b: bytes of a weight in the training precision. layer: the
-    parameters of the model's largest transformer layer, ZeRO-3's leaf (zero_config.zero3_layers), or None."""
+    parameters of the model's largest transformer layer, ZeRO-3's leaf (zero_config.zero3_layers), or None. groups:
+    the optimizer's groups of trainable tensor sizes (optimizer_groups; None: one group, `params`' order); rank:
+    which rank (None: the one holding the most, worst_rank)."""
     b = 4 if precision in ("fp32", "tf32") else 2
     n = ranks
     trainable = sum(k for k, t in params if t)
@@ -66,9 +71,11 @@ def model_states(params, hidden, precision, ranks, option, *, layer=None):
         held = weights + master + 8 * trainable
         return dict(after_backward=held + grads, after_step=held, gpu=held + grads, cpu=0,
                     in_step=held + grads + (4 * trainable if sixteen else 0))
-    if stage in (1, 2):  # one flat 16-bit buffer; fp32 master, moments and the reduced gradients partitioned
-        weights = b * (trainable + frozen)
-        mine = trainable / n
+    if stage in (1, 2):  # a flat 16-bit buffer a group, padded; fp32 master, moments and gradients partitioned
+        groups = groups if groups is not None else [[k for k, t in params if t]]
+        padded = sum(flat_size(sizes, n) for sizes in groups)
+        weights = b * (padded + frozen)
+        mine = padded / n
         states = 12 * mine  # fp32 master + 2 Adam moments, always a separate copy (also in fp32 runs)
         if "offload" in option:  # states on the CPU; a 16-bit staging copy there, a gradient buffer on each side
             gpu = weights + b * largest
@@ -76,9 +83,12 @@ def model_states(params, hidden, precision, ranks, option, *, layer=None):
             return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
         held = weights + states  # in the step: the fp32 flat copy of the gradient partition (the norm copies none:
         # mend norm_at_once); on one GPU the gradients stay where autograd made them (contiguous_gradients off) and
-        # the step flattens them first: a second 16-bit copy
-        return dict(after_backward=held + b * mine, after_step=held, gpu=held + b * mine, cpu=0,
-                    in_step=held + (2 if n == 1 else 1) * b * mine + 4 * mine)
+        # the step flattens them first: a second 16-bit copy. On more, the rank's gradient buffer holds the whole
+        # gradient of every tensor its partition touches, until the step
+        grads = b * (trainable if n == 1 else partition_gradients(groups, n)[worst_rank(groups, n) if rank is None
+                                                                            else rank])
+        return dict(after_backward=held + grads, after_step=held, gpu=held + grads, cpu=0,
+                    in_step=held + grads + (b * mine if n == 1 else 0) + 4 * mine)
     # stage 3: everything partitioned: trainable 16-bit shards, a persistent 16-bit gradient partition, fp32 master
     # and moments; frozen shards; small parameters also held whole (gathered, persistent); one reduce bucket.
     # (LoRA adapters, made after the model's zero.Init, are cast to the run's 16 bits before the engine takes them.)
@@ -90,6 +100,34 @@ def model_states(params, hidden, precision, ranks, option, *, layer=None):
         return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
     held = sharded + b * rbs + b * persistent
     return dict(after_backward=held, after_step=held, in_step=held + 4 * p_train - b * persistent, gpu=held, cpu=0)
+
+
+def flat_size(sizes, ranks):
+    """Elements of a ZeRO-1/2 group's flat buffer: its tensors end to end, padded to a multiple of 2N
+    (stage_1_and_2.py: nccl_start_alignment_factor x the world), cut into N equal partitions."""
+    return math.ceil(sum(sizes) / (2 * ranks)) * 2 * ranks
+
+
+def partition_gradients(groups, ranks):
+    """Per rank, the gradient elements ZeRO-1/2 holds from the backward to the step: the whole size of every tensor
+    its partition of each group touches, the first one straddling its start included (stage_1_and_2.py:
+    get_partition_info's params_in_partition, copy_grads_in_partition's buffer). A tensor over several partitions
+    counts whole on each: the embedding's gradient on every rank it spans."""
+    held = [0] * (ranks + 1)
+    for sizes in groups:
+        part, start = flat_size(sizes, ranks) // ranks, 0
+        for k in sizes:  # ranks floor(start / part) .. ceil(end / part) - 1: a difference array
+            if k:
+                held[start // part] += k
+                held[math.ceil((start + k) / part)] -= k
+            start += k
+    return list(itertools.accumulate(held[:-1]))
+
+
+def worst_rank(groups, ranks):
+    """The rank ZeRO-1/2 gives the most gradient to hold (the lowest of equals); its memory is the run's."""
+    held = partition_gradients(groups, ranks)
+    return held.index(max(held))
 
 
 def nvme_buffers(params, ranks, b):
@@ -206,6 +244,7 @@ def plan(args):
     b = 4 if args.precision in ("fp32", "tf32") else 2
     total, hidden = sum(k for k, _ in held), config.get_text_config().hidden_size
     layer = layer_params(config, args.lora_rank, args.lora_targets)
+    groups = optimizer_groups(config, args.lora_rank, args.lora_targets)  # ZeRO-1/2's partitions: the worst rank's
     rows = []
     for option in OPTIONS:
         # ZeRO-0 in bf16 autocasts over fp32 weights (zero_config.autocast_at_stage0), but for a 16-bit frozen base
@@ -215,7 +254,8 @@ def plan(args):
             loss_chunk=args.loss_chunk, sequence_parallel=args.sequence_parallel, autocast=autocast)
         acts = acts_at(args.block_size)
         states = {k: v + (constants if k != "cpu" else 0)
-                  for k, v in model_states(held, hidden, args.precision, ranks, option, layer=layer).items()}
+                  for k, v in model_states(held, hidden, args.precision, ranks, option, layer=layer,
+                                                   groups=groups).items()}
         transient = b * dequantized  # a quantized layer's weight, dequantized for its matmul
         # the reduce buckets (x2: overlap_comm, 2+ GPUs); on one GPU without offload nothing is reduced
         if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload") and (ranks > 1 or "offload" in option):

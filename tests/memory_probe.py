@@ -43,7 +43,14 @@ def probe(folder, precision, option, world_size, nvme_path=""):
     # before the HfDeepSpeedConfig: with a ZeRO-3 one alive, transformers would partition even the meta model
     params = plan.parameters(config)
     planned = plan.model_states(
-        params, config.hidden_size, precision, world_size, option, layer=plan.layer_params(config)
+        params,
+        config.hidden_size,
+        precision,
+        world_size,
+        option,
+        layer=plan.layer_params(config),
+        groups=plan.optimizer_groups(config),
+        rank=dist.get_rank(),
     )
     stage, offload = OPTIONS[option]
     norm_copy = plan.norm_copy_bytes(params, world_size) if stage in (1, 2) and offload else None

@@ -1,7 +1,7 @@
 """What a model holds, counted on the meta device (nothing allocated, whatever its size): its parameters (with LoRA's
 adapters, with a quantized base as bitsandbytes stores it), its largest layer, the scales of a 4- or 8-bit base, the
 parameters a token goes through in a mixture of experts. plan.py plans from these; a published model's config
-offline for the OPT family and Llama-3.2-1B."""
+offline for the OPT family, Llama-3.2-1B and Llama-3.1-8B."""
 import math
 import sys
 
@@ -27,10 +27,24 @@ def llama_3_2_1b():
                                      "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})
 
 
+def llama_3_1_8b():
+    """Llama-3.1-8B's published config (its values), planned and benchmarked offline."""
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                     "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})
+
+
+PUBLISHED = {"meta-llama/Llama-3.2-1B": llama_3_2_1b, "meta-llama/Llama-3.1-8B": llama_3_1_8b}
+
+
 def load_config(name):
-    """The model's config: the published OPT shapes and Llama-3.2-1B's offline, else a local folder or the hub."""
-    if name == "meta-llama/Llama-3.2-1B":
-        return llama_3_2_1b()
+    """The model's config: the published OPT shapes and Llama's (PUBLISHED) offline, else a local folder or the
+    hub."""
+    if name in PUBLISHED:
+        return PUBLISHED[name]()
     shape = OPT_SHAPES.get(name.split("/")[-1]) if name.startswith("facebook/") else None
     if shape:
         hidden, layers, heads, ffn = shape
@@ -41,7 +55,7 @@ def load_config(name):
     except (OSError, ValueError):
         sys.exit(f"error: cannot load a config for {name!r} (not a local folder, and the hub did not answer); "
                  f"pass a local model folder, or one of: {', '.join('facebook/' + k for k in OPT_SHAPES)}, "
-                 f"meta-llama/Llama-3.2-1B")
+                 f"{', '.join(PUBLISHED)}")
 
 
 _BUILT = {}  # meta_model's: (config, LoRA rank, targets) -> (model, quantized weights)
@@ -76,6 +90,14 @@ def parameters(config, lora_rank=0, lora_targets="all-linear", bits=None, precis
     held = lambda p: p.numel() if id(p) not in quantized else math.ceil(p.numel() / (2 * b)) if bits == 4 \
         else p.numel() / b
     return list({id(p): (held(p), p.requires_grad) for p in model.parameters()}.values())
+
+
+def optimizer_groups(config, lora_rank=0, lora_targets="all-linear"):
+    """The sizes of the trainable tensors in the optimizer's groups, in their order (training.param_groups: the
+    matrices, then the biases and norms), as ZeRO-1/2 flattens and partitions each group."""
+    model = meta_model(config, lora_rank, lora_targets)[0]
+    trainable = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    return [[p.numel() for p in trainable if p.dim() >= 2], [p.numel() for p in trainable if p.dim() < 2]]
 
 
 def layer_params(config, lora_rank=0, lora_targets="all-linear"):
