@@ -21,6 +21,7 @@ single-gpu.py's on chats.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -28,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -54,7 +57,24 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
         "reviews",
         1,
     ),
+    # scale up (Llama-3.1-8B's shape): as users run it on one GPU, the layers' inputs kept (checkpointing)
+    "LoRA 16": ("single-gpu.py", ["--lora-rank=16", "--gradient-checkpointing"], "ZeRO-0", "reviews", 1),
+    "QLoRA 16, 4-bit base": (
+        "single-gpu.py",
+        ["--lora-rank=16", "--load-in-4bit", "--gradient-checkpointing"],
+        "ZeRO-0",
+        "reviews",
+        1,
+    ),
+    "full, ZeRO-3 + CPU offload": (
+        "zero-optimization.py",
+        ["--zero-stage=3", "--offload=cpu", "--deepspeed=ds_config_zero3.json", "--gradient-checkpointing"],
+        "ZeRO-3 + CPU offload",
+        "reviews",
+        2,
+    ),
 }
+SCALE_UP = ("QLoRA 16, 4-bit base", "LoRA 16", "full, ZeRO-3 + CPU offload")  # the 8B shape's runs, in their order
 # (shape, run) in the order the goals need them, should the budget run out: the engine against single-gpu.py and the
 # Trainer, the 1B shape's MFU, compile on chats and reviews, then the rest at the 1B shape
 ORDER = [
@@ -68,18 +88,24 @@ ORDER = [
     *(("llama-3.2-1b", r) for r in ("ZeRO-2", "HF Trainer, run_clm, ZeRO-2", "ZeRO-3", "ZeRO-0")),
     ("opt-125m", "ZeRO-3 + CPU offload"),
     ("llama-3.2-1b", "ZeRO-3 + CPU offload"),
+    *(("llama-3.1-8b", r) for r in SCALE_UP),  # a call of its own: bash bench/gpu.sh --shapes llama-3.1-8b
 ]
 # shape -> (sequences a step, block, steps, log interval, seconds each part may take); the profiler counts steps 5-8,
 # inside the first log interval, which the steady figures leave out
-SHAPES = {"opt-125m": (16, 512, 40, 10, 50), "llama-3.2-1b": (16, 512, 20, 10, 75)}
-DRY = {"demo": (4, 64, 12, 10, 60)}
+SHAPES = {
+    "opt-125m": (16, 512, 40, 10, 50),
+    "llama-3.2-1b": (16, 512, 20, 10, 75),
+    "llama-3.1-8b": (2, 2048, 24, 8, 150),
+}
+# dry: the demo model, and for the 8B runs a narrowed copy of Llama-3.1-8B's config (run.model_folder)
+DRY = {"demo": (4, 64, 12, 10, 60), "llama-3.1-8b-narrowed": (2, 256, 4, 2, 90)}
 ATTENTION_S = 60  # seconds bench/attention.py may take: 4 shapes x 4 kernels x 23 passes of a few ms
 
 
 def parts(shapes):
     """[(shape, run's name)] to run: ORDER's, or on a dry run every run at the demo's shape."""
-    if list(shapes) == list(DRY):
-        return [(shape, name) for shape in shapes for name in RUNS]
+    if set(shapes) <= set(DRY):
+        return [(shape, name) for shape in shapes for name in RUNS if (name in SCALE_UP) == (shape != "demo")]
     return [(shape, name) for shape, name in ORDER if shape in shapes]
 
 
@@ -158,12 +184,13 @@ def profiled(folder):
 
 
 def planned_peak(model, option, shape, name, dry):
-    """plan.py's peak per GPU for this run (bytes), or None for the Trainer's."""
+    """plan.py's (peak per GPU, CPU memory) for this run (bytes), or (None, None) for the Trainer's."""
     import plan
 
     if option is None:
-        return None
+        return None, None
     batch, block = sizes(shape, name, dry)
+    extra = RUNS[name][1]
     args = argparse.Namespace(
         model=str(model),
         gpus=1,
@@ -173,16 +200,16 @@ def planned_peak(model, option, shape, name, dry):
         precision="fp32" if dry else "bf16",
         batch_size=batch,
         block_size=block,
-        gradient_checkpointing=False,
+        gradient_checkpointing="--gradient-checkpointing" in extra,
         sequence_parallel=1,
         loss_chunk=1024,
-        lora_rank=0,
+        lora_rank=next((int(f.split("=")[1]) for f in extra if f.startswith("--lora-rank=")), 0),
         lora_targets="all-linear",
-        load_in_4bit=False,
+        load_in_4bit="--load-in-4bit" in extra,
         load_in_8bit=False,
     )
-    rows = plan.plan(args)[2]
-    return next(r["peak_bytes_per_gpu"] for r in rows if r["option"] == option)
+    row = next(r for r in plan.plan(args)[2] if r["option"] == option)
+    return row["peak_bytes_per_gpu"], row["cpu_bytes_per_node"]
 
 
 def main(argv=None):
@@ -204,7 +231,8 @@ def main(argv=None):
     out, began = Path(args.out), time.monotonic()
     device = torch.cuda.get_device_name() if not args.dry else f"CPU ({os.cpu_count()} cores), dry run"
     rows = []
-    if not args.runs or "attention" in args.runs:  # attention alone first, its own table (bench/attention.py)
+    if (not args.runs and not args.shapes) or "attention" in (args.runs or []):  # attention alone first, its own
+        # table (bench/attention.py)
         code, _ = run_part(
             [sys.executable, "bench/attention.py", f"--out={out}", *(["--dry"] if args.dry else [])],
             out / "runs" / "attention",
@@ -225,7 +253,18 @@ def main(argv=None):
         if time.monotonic() - began + deadline > args.budget:
             row["status"] = "skipped: no time left in the budget"
             continue
+        missing = [m for m in ("peft", "bitsandbytes") if name in SCALE_UP and importlib.util.find_spec(m) is None]
+        if missing:
+            row["status"] = f"skipped: no {' or '.join(missing)} here (add its wheel to .whl/: ../shared/gpu/README.md)"
+            continue
         model = model_folder(shape, out)
+        row["planned"], row["planned_host"] = planned_peak(model, option, shape, name, args.dry)
+        if row["planned_host"] and row["planned_host"] > psutil.virtual_memory().total:
+            row["status"] = (
+                f"skipped: the plan needs {row['planned_host'] / 2**30:.0f} GiB of host memory, this "
+                f"host has {psutil.virtual_memory().total / 2**30:.0f}"
+            )
+            continue
         folder = out / "runs" / f"{shape}-{''.join(c if c.isalnum() else '_' for c in name)}"
         code, seconds = run_part(
             command(shape, name, script, extra, folder, model, demo.assets()[data], args.dry), folder, deadline
@@ -240,7 +279,7 @@ def main(argv=None):
             seconds=seconds,
             tok_s=steady_tokens_per_sec(r),
             peak=r["peak_memory_bytes"],
-            planned=planned_peak(model, option, shape, name, args.dry),
+            host=r.get("peak_host_memory_bytes"),
             loss=r["losses"][-1],
         )
         row["launches"], row["syncs"] = profiled(folder)
@@ -262,9 +301,9 @@ def report(rows, device):
     lines = [
         f"{device}; {time.strftime('%Y-%m-%d')}",
         "",
-        "| shape | run | tok/s | x single-gpu.py | x Trainer | MFU | peak GiB | planned GiB | launches/step | "
-        "syncs/step | last loss | status |",
-        "|" + "---|" * 12,
+        "| shape | run | tok/s | x single-gpu.py | x Trainer | MFU | peak GiB | planned GiB | host GiB | "
+        "planned host GiB | launches/step | syncs/step | last loss | status |",
+        "|" + "---|" * 14,
     ]
     for row in rows:
         plain = "single-gpu.py, chats" if "chats" in row["run"] else "single-gpu.py"  # on the same data
@@ -285,6 +324,8 @@ def report(rows, device):
             f"{100 * row['mfu']:.1f}%" if row.get("mfu") else "-",
             gib("peak"),
             gib("planned"),
+            gib("host"),
+            gib("planned_host"),
             count("launches"),
             count("syncs"),
             f"{row['loss']:.3f}" if row.get("loss") is not None else "-",

@@ -157,15 +157,40 @@ SETS = {  # model -> (steps, block size, repeats, [runs]); peers first
 }
 
 
+def narrowed_llama_3_1_8b():
+    """Llama-3.1-8B's config narrowed for a dry run on a CPU: its vocabulary, its ratios of heads to key-value heads
+    and of the MLP's width to the hidden size, 2 layers of width 128."""
+    config = plan.load_config("meta-llama/Llama-3.1-8B")
+    config.update(
+        dict(
+            hidden_size=128,
+            intermediate_size=448,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=4096,
+        )
+    )
+    return config
+
+
+SHAPES = {  # bench shapes by name beside the OPT ones (facebook/opt-*)
+    "llama-3.2-1b": lambda: plan.load_config("meta-llama/Llama-3.2-1B"),
+    "llama-3.1-8b": lambda: plan.load_config("meta-llama/Llama-3.1-8B"),
+    "llama-3.1-8b-narrowed": narrowed_llama_3_1_8b,
+}
+
+
 def model_folder(name, out):
-    """The demo model, or an OPT shape (or Llama-3.2-1B's) with random weights and the demo tokenizer."""
+    """The demo model, or an OPT shape (or a Llama one, SHAPES) with random weights and the demo tokenizer."""
     if name == "demo":
         return demo.assets()["lm"]
     folder = out / "models" / name
     if not (folder / "config.json").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        config = plan.load_config("meta-llama/Llama-3.2-1B" if name == "llama-3.2-1b" else f"facebook/{name}")
+        config = SHAPES[name]() if name in SHAPES else plan.load_config(f"facebook/{name}")
         torch.manual_seed(0)  # saved in bf16: half the disk; the scripts load it in fp32. Made on the GPU where there
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # is one: a 1B model in a second, not 20
             AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)

@@ -284,6 +284,7 @@ class RunStats:
         return self.record.evals
 
     def results(self, world_size, global_batch, held_bytes):
+        self.profiler.close(self.record.step)
         self.gather()
         self.trackers.close()
         steady = self.record.intervals[1:] or self.record.intervals
@@ -298,6 +299,7 @@ class RunStats:
                 "tokens_per_sec": self.record.tokens / self.record.train_time if self.record.train_time else None,
                 "mfu": self.mfu(steady), "log_intervals": self.record.intervals,
                 "peak_memory_bytes": peak_memory_bytes(self.device), "peak_memory_gb_per_rank": self.rank_memory,
+                "peak_host_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # this rank's
                 "model_state_bytes_per_rank": held_bytes,
                 "trainable_params": self.trainable, "total_params": self.total, "world_size": world_size,
                 "global_batch_size": global_batch, "precision": self.precision, "ran": what_ran(self.model)}
@@ -336,16 +338,25 @@ class Profiler:
     def step_done(self, step):
         if not self.folder or step not in (self.first, self.first + self.steps):
             return
-        activities, sort = profiled(torch.cuda.is_available())
         if step == self.first:
-            self.active = torch.profiler.profile(activities=activities, record_shapes=False)
+            self.active = torch.profiler.profile(activities=profiled(torch.cuda.is_available())[0],
+                                                 record_shapes=False)
             self.active.__enter__()
             return
-        self.active.__exit__(None, None, None)
-        Path(self.folder).mkdir(parents=True, exist_ok=True)
-        events = self.active.key_averages()
-        (Path(self.folder) / f"profile-rank{self.rank}.txt").write_text(events.table(sort_by=sort, row_limit=25))
-        write_json(Path(self.folder) / f"profile-rank{self.rank}.json", {e.key: e.count / self.steps for e in events})
+        self.close(step)
+
+    def close(self, step):
+        """Stop profiling and write what it counted (also at a run's end before its last profiled step: a profiler
+        still running as the interpreter exits crashes it)."""
+        if self.active is None:
+            return
+        active, self.active, steps = self.active, None, step - self.first
+        active.__exit__(None, None, None)
+        if steps:  # (none when the run ended at the step that started it)
+            Path(self.folder).mkdir(parents=True, exist_ok=True)
+            events, sort = active.key_averages(), profiled(torch.cuda.is_available())[1]
+            (Path(self.folder) / f"profile-rank{self.rank}.txt").write_text(events.table(sort_by=sort, row_limit=25))
+            write_json(Path(self.folder) / f"profile-rank{self.rank}.json", {e.key: e.count / steps for e in events})
 
 
 def profiled(cuda):

@@ -1,6 +1,7 @@
 """bench/run.py on its tiny CPU set: the table is written, each row measured, the ratio to the seeds' recipe filled;
 bench/gpu.py's dry run. A benchmark is never a timed test: no threshold on any figure."""
 
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -77,13 +78,15 @@ def test_the_gpu_benchmarks_dry_run_has_its_columns_its_ratios_and_its_deadlines
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["tok_s"] > 0 for r in rows)
     assert rows[0]["planned"] > 0 and rows[0]["peak"] > 0 and rows[0]["launches"] == 0  # no kernels on a CPU
     table = (tmp_path / "GPU.md").read_text().splitlines()
-    assert table[2].split(" | ")[2:11] == [
+    assert table[2].split(" | ")[2:13] == [
         "tok/s",
         "x single-gpu.py",
         "x Trainer",
         "MFU",
         "peak GiB",
         "planned GiB",
+        "host GiB",
+        "planned host GiB",
         "launches/step",
         "syncs/step",
         "last loss",
@@ -96,6 +99,35 @@ def test_the_gpu_benchmarks_dry_run_has_its_columns_its_ratios_and_its_deadlines
     skipped = gpu.main(["--dry", "--runs", "ZeRO-2", "--budget", "5", "--out", str(tmp_path / "none")])
     assert skipped[0]["status"] == "skipped: no time left in the budget"
     assert not (tmp_path / "none" / "runs").exists()
+
+
+def test_the_8b_runs_dry_on_a_narrowed_config_with_the_plans_gpu_and_host_peaks(tmp_path):
+    """bash bench/gpu.sh --shapes llama-3.1-8b (LoRA, QLoRA, full fine-tuning under ZeRO-3 + CPU offload, as users
+    run them) dry: the same commands on Llama-3.1-8B's config narrowed (its vocabulary, 2 layers of 128), each run's
+    peak and host memory beside plan.py's. 4 steps: fewer than the profiler's window, whose profiler is closed at the
+    run's end (it crashed the interpreter's exit before)."""
+    gpu = load_script("bench/gpu.py")
+    rows = gpu.main(["--dry", "--shapes", "llama-3.1-8b-narrowed", "--out", str(tmp_path)])
+    assert [r["run"] for r in rows] == ["LoRA 16", "QLoRA 16, 4-bit base", "full, ZeRO-3 + CPU offload"]
+    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    for r in rows:
+        assert r["tok_s"] > 0 and r["host"] > 0 and r["planned"] > 0 and math.isfinite(r["loss"])
+    lora, qlora, full = rows
+    assert lora["planned_host"] > 0 and full["planned_host"] > lora["planned_host"]  # the optimizer's state there
+    assert qlora["planned"] < lora["planned"]  # the 4-bit base
+    header = (tmp_path / "GPU.md").read_text().splitlines()[2].split(" | ")
+    assert header[6:10] == ["peak GiB", "planned GiB", "host GiB", "planned host GiB"]
+    assert not (tmp_path / "runs" / "llama-3.1-8b-narrowed-LoRA_16" / "profile").exists()  # started, no step seen
+
+
+def test_a_8b_plan_that_needs_more_host_memory_than_there_is_skips_the_run():
+    """Full fine-tuning of Llama-3.1-8B with its fp32 Adam state on the host: plan.py's 150 GiB of CPU memory; the
+    GPU machine has 128 GiB, so the part is skipped with the reason rather than run out of memory."""
+    gpu = load_script("bench/gpu.py")
+    planned, host = gpu.planned_peak(
+        "meta-llama/Llama-3.1-8B", "ZeRO-3 + CPU offload", "llama-3.1-8b", "full, ZeRO-3 + CPU offload", False
+    )
+    assert 140 * 2**30 < host < 160 * 2**30 and planned < 10 * 2**30
 
 
 def test_the_attention_benchmark_holds_each_kernel_to_the_documents_run_apart(tmp_path):
@@ -115,3 +147,26 @@ def test_the_attention_benchmark_holds_each_kernel_to_the_documents_run_apart(tm
     assert rows[attention.FLASH]["status"] == "not installed"
     table = (tmp_path / "ATTENTION.md").read_text().splitlines()
     assert len(table) == 4 + 4 and "| tiny, GQA | 2 x 128 |" in table[4] and table[4].endswith("| ok |")
+
+
+@pytest.mark.quick
+def test_a_profile_cut_short_by_the_runs_end_is_written_and_stopped(tmp_path):
+    """TRAIN_PROFILE over steps 5-8 of a run of 6: the run's end stops the profiler and writes its counts per step
+    profiled (2 here); left running, it crashed the interpreter's exit (a segmentation fault after results.json)."""
+    import json
+
+    import torch
+
+    from finetune import progress
+
+    for last, written in ((6, True), (4, False)):  # 4: it started at the end of step 4 and saw no step
+        folder = tmp_path / str(last)
+        profiler = progress.Profiler(folder, rank=0)
+        for step in range(1, last + 1):
+            torch.ones(4).add_(1)
+            profiler.step_done(step)
+        assert profiler.active is not None
+        profiler.close(last)
+        assert profiler.active is None and torch.autograd.profiler._is_profiler_enabled is False
+        assert (folder / "profile-rank0.json").exists() == written
+    assert json.loads((tmp_path / "6" / "profile-rank0.json").read_text())["aten::add_"] == 1.0
