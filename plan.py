@@ -22,7 +22,7 @@ import math
 import sys
 import warnings
 
-from finetune import flags, quantization
+from finetune import flags, long_sequences, quantization
 from finetune.hardware import experts_per_token
 from finetune.internals import memory
 from finetune.internals.model_shapes import (  # noqa: F401
@@ -154,19 +154,27 @@ def norm_copy_bytes(params, ranks):
     return 8 * min(max(trainable, default=0), math.ceil(sum(trainable) / ranks))
 
 
-def activations(batch, seq, config, precision, *, checkpointing, loss_chunk, sequence_parallel=1, autocast=False):
+def activations(batch, seq, config, precision, *, checkpointing, loss_chunk, sequence_parallel=1, autocast=False,
+                tiled_mlp=False, offload=False):
     """Peak bytes of activations per GPU: what a layer keeps for its backward pass (memory.layer_bytes: counted for
     this model and precision; where it cannot be, Korthikanti et al.'s 34·s·b·h in 16 bits, twice that in fp32, 19 of
     them the MLP's at 4h, a mixture of experts' for the experts a token goes through), one layer's and the layers'
     inputs with checkpointing; and the logits as the loss path holds them (logits_bytes). autocast: 16-bit matmuls
     over fp32 weights (ZeRO-0 and single-gpu.py in bf16), whose residual stream and norms stay fp32. With sequence
     parallelism a GPU holds the activations of its 1/N of the tokens (around attention, the whole sequence for 1/N
-    of the heads: the same size), and the logits of its tokens."""
+    of the heads: the same size), and the logits of its tokens. tiled_mlp (--tiled-mlp): a layer keeps its MLP's
+    input only (counted so), and the recomputed layer holds one tile's intermediates (a hidden size of tokens);
+    offload (--offload-activations): checkpointing with the layers' inputs on the host (layer_inputs_bytes), two of
+    them on the GPU: the one recomputed and the one fetched for the next."""
     seq = math.ceil(seq / sequence_parallel)
     scale = 2 if precision in ("fp32", "tf32") else 1
     text = config.get_text_config()
     hidden, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    counted = memory.layer_bytes(config, precision, autocast)
+    counted = memory.layer_bytes(config, precision, autocast, tiled=tiled_mlp)
+    if tiled_mlp and counted is not None:  # and one tile's intermediates as the untiled layer keeps them
+        tile = math.ceil(batch * seq / long_sequences.tiles(batch * seq, hidden))
+        untiled = memory.layer_bytes(config, precision, autocast)[0]
+        counted = (counted[0] + (untiled - counted[0]) * tile / (batch * seq), counted[1])
     if counted is None:
         experts, k = experts_per_token(config)
         unit = 34
@@ -175,9 +183,17 @@ def activations(batch, seq, config, precision, *, checkpointing, loss_chunk, seq
             unit = 15 + 19 * k * width / (4 * hidden)
         counted = (unit * hidden * scale, 0)
     per_layer = batch * (counted[0] * seq + counted[1] * seq**2)
-    residual = 4 if autocast or scale == 2 else 2  # a layer's input, kept by checkpointing
-    kept = (residual * seq * batch * hidden * layers + per_layer) if checkpointing else per_layer * layers
+    inputs = layer_inputs_bytes(batch, seq, config, precision, autocast) / layers  # a layer's, kept by checkpointing
+    kept = (inputs * (2 if offload else layers) + per_layer) if checkpointing or offload else per_layer * layers
     return kept + logits_bytes(batch * seq, vocab, precision, loss_chunk)
+
+
+def layer_inputs_bytes(batch, seq, config, precision, autocast=False):
+    """The layers' inputs gradient checkpointing keeps (on the host with --offload-activations): the residual
+    stream's, fp32 under autocast and in fp32 runs, else 16 bits; seq: a GPU's share of a sequence."""
+    text = config.get_text_config()
+    width = 4 if autocast or precision in ("fp32", "tf32") else 2
+    return width * seq * batch * text.hidden_size * text.num_hidden_layers
 
 
 def logits_bytes(tokens, vocab, precision, loss_chunk):
@@ -208,6 +224,8 @@ class Request:
     batch_size: int
     block_size: int
     gradient_checkpointing: bool
+    offload_activations: bool
+    tiled_mlp: bool
     sequence_parallel: int
     loss_chunk: int
     lora_rank: int
@@ -228,8 +246,8 @@ class Request:
         return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
 
 
-MODEL = ("model", "precision", "gradient_checkpointing", "loss_chunk", "lora_rank", "lora_targets", "load_in_4bit",
-         "load_in_8bit")
+MODEL = ("model", "precision", "gradient_checkpointing", "offload_activations", "tiled_mlp", "loss_chunk", "lora_rank",
+         "lora_targets", "load_in_4bit", "load_in_8bit")
 
 
 def plan(args):
@@ -251,8 +269,13 @@ def plan(args):
         autocast = option == "ZeRO-0" and args.precision == "bf16" and not args.lora_rank and not bits
         acts_at = lambda block, autocast=autocast: activations(  # noqa: E731 (this option's autocast)
             args.batch_size, block, config, args.precision, checkpointing=args.gradient_checkpointing,
-            loss_chunk=args.loss_chunk, sequence_parallel=args.sequence_parallel, autocast=autocast)
+            loss_chunk=args.loss_chunk, sequence_parallel=args.sequence_parallel, autocast=autocast,
+            tiled_mlp=args.tiled_mlp, offload=args.offload_activations)
         acts = acts_at(args.block_size)
+        # --offload-activations: each GPU's process keeps its layers' inputs in this node's memory
+        offloaded = lambda block, autocast=autocast: args.gpus * layer_inputs_bytes(  # noqa: E731
+            args.batch_size, math.ceil(block / args.sequence_parallel), config, args.precision, autocast) \
+            if args.offload_activations else 0
         states = {k: v + (constants if k != "cpu" else 0)
                   for k, v in model_states(held, hidden, args.precision, ranks, option, layer=layer,
                                                    groups=groups).items()}
@@ -274,24 +297,27 @@ def plan(args):
         budget = args.gpu_memory * GiB * HEADROOM
         # each process loads the model on CPU: fp32, a LoRA base in the run's precision (models.load_causal_lm)
         load = 0 if option.startswith("ZeRO-3") or bits else (b if args.lora_rank else 4) * total * args.gpus
-        cpu = states["cpu"] * args.gpus + load
-        fits = peak <= budget and (args.cpu_memory is None or cpu <= args.cpu_memory * GiB) and not (
-            bits == 8 and option.startswith("ZeRO-3"))  # refused: ZeRO-3 cannot shard LLM.int8's weights
+        cpu_at = lambda block, base=states["cpu"] * args.gpus + load, offloaded=offloaded: base + offloaded(block)
+        cpu = cpu_at(args.block_size)
+        fits_at = lambda block, peak_at=peak_at, cpu_at=cpu_at, budget=budget: peak_at(block) <= budget and (  # noqa: E731
+            args.cpu_memory is None or cpu_at(block) <= args.cpu_memory * GiB)
+        fits = fits_at(args.block_size) and not (bits == 8 and option.startswith("ZeRO-3"))  # refused: ZeRO-3
+        # cannot shard LLM.int8's weights
         rows.append({"option": option, "model_states_bytes_per_gpu": states["gpu"],
                      "held_after_step_bytes_per_rank": states["after_step"], "activations_bytes_per_gpu": acts,
                      "peak_bytes_per_gpu": peak, "cpu_bytes_per_node": cpu, "fits": fits,
-                     "longest_block": longest_block(peak_at, budget, args.sequence_parallel)})
+                     "longest_block": longest_block(fits_at, args.sequence_parallel)})
     return config, params, rows
 
 
-def longest_block(peak_at, budget, multiple, limit=2**24):
-    """The longest block (tokens, a multiple of 64 and of the sequence-parallel size) whose peak fits the budget,
-    or 0: the peak grows with the block."""
+def longest_block(fits_at, multiple, limit=2**24):
+    """The longest block (tokens, a multiple of 64 and of the sequence-parallel size) that fits (its GPU peak, and
+    the host memory where it is given), or 0: both grow with the block."""
     step = 64 * multiple // math.gcd(64, multiple)
     low, high = 0, limit // step
     while low < high:
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if peak_at(middle * step) <= budget else (low, middle - 1)
+        low, high = (middle, high) if fits_at(middle * step) else (low, middle - 1)
     return low * step
 
 
@@ -343,7 +369,9 @@ def main(argv=None):
     print(f"{args.model}: {total / 1e9:.2f}B parameters{moe}{lora}; {args.nodes} node(s) x {args.gpus} GPU(s) of "
           f"{args.gpu_memory:g} GiB; {args.precision}, micro-batch {args.batch_size} x {args.block_size} tokens, "
           f"activations {rows[0]['activations_bytes_per_gpu'] / GiB:.1f} GiB per GPU"
-          f"{' (gradient checkpointing)' if args.gradient_checkpointing else ''}"
+          f"{' (gradient checkpointing)' if args.gradient_checkpointing and not args.offload_activations else ''}"
+          f"{' (checkpointed, layer inputs on the host)' if args.offload_activations else ''}"
+          f"{' (the MLP in tiles)' if args.tiled_mlp else ''}"
           f"{f', each sequence over {args.sequence_parallel} GPUs' if args.sequence_parallel > 1 else ''}")
     print(f"{'option':<24}{'model states/GPU':>17}{'peak/GPU':>11}{'CPU/node':>11}  fits  longest block")
     for r in rows:

@@ -56,7 +56,7 @@ def main(argv=None):
     folder = checkpoints.resume_folder(out, config.train, config.model, world_size)[0] if config.run.resume else None
     model = models.load_causal_lm(config.model, model_config, device)  # fp32 master weights, the fastest attention
     model_config = model.config  # as loaded: its attention implementation decides the batches' layout (data.py)
-    model = models.prepare_model(model, config.model, config.train.seed)  # LoRA, gradient checkpointing
+    model = models.prepare_model(model, config.model, config.train.seed, config.micro_tokens)  # LoRA, checkpointing
     model = loss.CausalLMLoss(model, config.model.loss_chunk, preference.PairLoss.of(config.train))  # the loss
     model.to(device)
     optimizer = torch.optim.AdamW(training.param_groups(model, config.train.weight_decay), lr=config.train.lr,

@@ -201,6 +201,8 @@ def planned_peak(model, option, shape, name, dry):
         batch_size=batch,
         block_size=block,
         gradient_checkpointing="--gradient-checkpointing" in extra,
+        offload_activations="--offload-activations" in extra,
+        tiled_mlp="--tiled-mlp" in extra,
         sequence_parallel=1,
         loss_chunk=1024,
         lora_rank=next((int(f.split("=")[1]) for f in extra if f.startswith("--lora-rank=")), 0),

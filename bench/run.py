@@ -294,6 +294,7 @@ def planned_bytes(spec, config):
         spec["ranks"],
         option,
         layer=plan.layer_params(config, spec["lora"]),
+        groups=plan.optimizer_groups(config, spec["lora"]),
     )["after_step"]
 
 

@@ -74,6 +74,9 @@ class Model(Piece):
     precision: str = flag("auto", "auto: bf16 from Ampere on, fp16 on older GPUs, fp32 on CPUs",  # resolved in setup
                           choices=["auto", "fp32", "tf32", "bf16", "fp16"])
     gradient_checkpointing: bool = flag(False, "recompute activations: less memory, slower")
+    offload_activations: bool = flag(False, "gradient checkpointing with the layers' inputs in host memory "
+                                     "(long sequences; docs/long-context.md)")
+    tiled_mlp: bool = flag(False, "the MLP over tiles of the tokens, recomputed in the backward (long sequences)")
     compile: bool = flag(False, "torch.compile: faster steps after a slow first one")
     attention: str = flag("auto", "auto: FlashAttention's varlen kernel on Ampere+ GPUs in 16 bits (flash-attn's, "
                           "else torch's where the model fits it), else SDPA (docs/gpu.md)",
@@ -192,6 +195,11 @@ class Config:
         --config's input."""
         return {k: list(v) if isinstance(v, tuple) else v for p in self.pieces() for k, v in vars(p).items()
                 if k in self.taken}
+
+    @property
+    def micro_tokens(self):
+        """The most tokens a micro-batch holds on a rank (--tiled-mlp cuts them into the same tiles on every rank)."""
+        return self.train.batch_size * self.data.block_size
 
     @property
     def sequence_parallel(self):

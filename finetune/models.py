@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, loss, preference, quantization
+from . import hardware, long_sequences, loss, preference, quantization
 from .base import fail
 from .internals import varlen
 
@@ -129,10 +129,11 @@ def load_tokenizer(name, **kwargs):
     return tokenizer
 
 
-def prepare_model(model, settings, seed):
+def prepare_model(model, settings, seed, tokens=None):
     """LoRA (--lora-rank > 0): low-rank adapters on the chosen linear layers through peft; only they train, the
-    base weights are frozen (and kept in 16 bits when the run is bf16/fp16). Then gradient checkpointing.
-    `settings`: flags.Model; `seed` draws the adapters."""
+    base weights are frozen (and kept in 16 bits when the run is bf16/fp16). Then --tiled-mlp, and gradient
+    checkpointing (its kept inputs on the host: --offload-activations).
+    `settings`: flags.Model; `seed` draws the adapters; `tokens`: the most a micro-batch holds (--tiled-mlp)."""
     if settings.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -159,9 +160,14 @@ def prepare_model(model, settings, seed):
             for p in model.parameters():
                 if (not p.requires_grad or zero3) and not quantization.is_quantized(p):
                     p.data = p.data.to(hardware.AUTOCAST_DTYPES[settings.precision])
-    if settings.gradient_checkpointing:
+    if settings.tiled_mlp:  # after LoRA: the tiles run the adapters too
+        long_sequences.tile_mlps(model, model.config, tokens)
+    if settings.offload_activations:  # gradient checkpointing, the layers' inputs in host memory
+        long_sequences.offload_layer_inputs(model)
+    elif settings.gradient_checkpointing:
         # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if settings.gradient_checkpointing or settings.offload_activations:
         model.config.use_cache = False
     return model
 

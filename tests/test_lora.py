@@ -132,6 +132,8 @@ def test_lora_under_zero3_trains_in_the_runs_16_bits(tiny, tmp_path, reference):
     assert r["ran"] == {
         "weights_dtype": "bfloat16",
         "gradient_checkpointing": False,
+        "offload_activations": False,
+        "tiled_mlp": False,
         "zero_stage": 3,
         "engine_precision": "bf16",
         "optimizer": "AdamW on cpu",

@@ -90,6 +90,8 @@ def plan_args(model, gpus, memory, *extra):
         "batch_size": 8,
         "block_size": 512,
         "gradient_checkpointing": False,
+        "offload_activations": False,
+        "tiled_mlp": False,
         "loss_chunk": 2048,
         "lora_rank": 0,
         "lora_targets": "all-linear",

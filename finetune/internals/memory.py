@@ -61,14 +61,15 @@ _COUNTED = {}  # layer_bytes': (config, precision, autocast) -> (bytes a token, 
 LENGTHS = (32, 64, 128)  # the sequences count_layer runs
 
 
-def layer_bytes(config, precision, autocast=False):
+def layer_bytes(config, precision, autocast=False, tiled=False):
     """What one transformer layer keeps for its backward pass, counted, not assumed (Llama's gated MLP keeps four
     tensors of its width where OPT's keeps two; under autocast the norms keep fp32 copies; eager attention keeps its
     T x T probabilities): (a, q), a sequence of T tokens keeping a·T + q·T² bytes. Counted on the model's layers at
     1/k and 2/k of every width and of the heads' size (as many heads: what grows with the widths is 1/k of the
     model's, what a head keeps per token, its softmax's statistics, and the T x T terms are the model's), k a power
-    of 2 that leaves the heads at least 8 wide. None where the model cannot be built so."""
-    key = (config.to_json_string(), precision, autocast)
+    of 2 that leaves the heads at least 8 wide. None where the model cannot be built so. tiled: with --tiled-mlp
+    (the MLP keeps its input only)."""
+    key = (config.to_json_string(), precision, autocast, tiled)
     if key not in _COUNTED:
         try:
             text = config.get_text_config()
@@ -76,9 +77,9 @@ def layer_bytes(config, precision, autocast=False):
             head = text.head_dim if getattr(text, "head_dim", None) else text.hidden_size // text.num_attention_heads
             while head // (2 * k) >= 8 and all(w % (4 * k) == 0 for w in widths(text).values()):  # rotary: even
                 k *= 2
-            small, q = count_layer(config, precision, autocast, k)
+            small, q = count_layer(config, precision, autocast, k, tiled)
             if k > 1:  # a token's bytes there: wide / k + fixed; at twice the widths: 2·wide / k + fixed
-                wider = count_layer(config, precision, autocast, k // 2)[0]
+                wider = count_layer(config, precision, autocast, k // 2, tiled)[0]
                 small = k * (wider - small) + 2 * small - wider  # wide + fixed
             _COUNTED[key] = small, q
         except Exception:  # a model this count cannot build (a vision tower, a custom layer): the rule of 34
@@ -95,7 +96,7 @@ def widths(text):
     return {**head, **{n: getattr(text, n) for n in names if isinstance(getattr(text, n, None), int)}}
 
 
-def count_layer(config, precision, autocast, k):
+def count_layer(config, precision, autocast, k, tiled=False):
     """(bytes a token, bytes a token per token attended) that one layer of the model at 1/k of its widths keeps for
     backward: run forward on the CPU in training mode (dropout's masks included) under torch's saved-tensor hooks,
     2 layers and 1 at 3 lengths; the differences are one layer's share, free of the embedding, the head and the
@@ -113,6 +114,10 @@ def count_layer(config, precision, autocast, k):
             text.layer_types = types[:layers]
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(text, dtype=weights).train()  # the scripts' attention
+        if tiled:
+            from .. import long_sequences
+
+            long_sequences.tile_mlps(model, text, max(LENGTHS))
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         for length in LENGTHS:
             kept = {}

@@ -1,0 +1,232 @@
+"""Long sequences on one GPU: what is left once gradient checkpointing, the chunked loss and varlen attention are on.
+
+- `--tiled-mlp`: each layer's MLP runs over tiles of the tokens (as many as the tokens over the hidden size, as
+  Arctic Long Sequence Training does), one tile's intermediate at a time (three tensors of the MLP's width: at 8B and
+  256k tokens, 21 GiB at once), none kept for the backward pass: each tile is recomputed there.
+- `--offload-activations`: gradient checkpointing with each layer's input in host memory from its forward to its
+  backward (2·s·h bytes a layer on the GPU otherwise: 64 GiB at 8B and 256k tokens); on a GPU copied on a side stream
+  into reused pinned buffers, the next layer's input fetched back while the backward runs the current one.
+
+Both recompute as checkpointing does, with the random state of the forward (dropout's masks) and its autocast, and
+hand DeepSpeed each parameter's gradient once a backward pass, whole (it refuses a second at every stage): the numbers
+are those of the run without them, to fp32 rounding (tests/test_long_sequences.py).
+"""
+import contextlib
+import math
+
+import torch
+
+from .base import fail
+from .hardware import experts_per_token
+
+
+def tile_mlps(model, config, tokens):
+    """--tiled-mlp: every decoder layer's MLP computed over tiles of the tokens, as many as `tokens` (a micro-batch's
+    at most) over the hidden size, on every rank the same count whatever its batch holds: under ZeRO-3 each tile
+    gathers a LoRA layer's weights, and the ranks' gathers must pair. A layer's MLP is its `mlp` module (Llama, Qwen,
+    Mistral, Gemma, GPT-2, Phi) or, as OPT writes it, fc1, its activation and fc2 inside the layer."""
+    if experts_per_token(config)[0]:
+        fail("--tiled-mlp: this model's MLP is a mixture of experts, which is not tiled; leave --tiled-mlp off")
+    count = tiles(tokens, config.get_text_config().hidden_size)
+    layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))
+              and (isinstance(getattr(m, "mlp", None), torch.nn.Module) or hasattr(m, "fc2"))]
+    if not layers:
+        fail(f"--tiled-mlp: no MLP found in {type(model).__name__}'s layers (a module `mlp`, or fc1 and fc2); leave "
+             f"--tiled-mlp off for this model")
+    for layer in layers:
+        if isinstance(getattr(layer, "mlp", None), torch.nn.Module):
+            mlp = layer.mlp
+            mlp.forward = TiledForward(lambda x, mlp=mlp: type(mlp).forward(mlp, x), [mlp], count)
+        else:  # OPT: fc1's call computes the whole block; the layer's activation and fc2 then pass it through
+            fc1, act, fc2 = layer.fc1, layer.activation_fn, layer.fc2
+            block = lambda x, fc1=fc1, act=act, fc2=fc2: type(fc2).forward(fc2, act(type(fc1).forward(fc1, x)))
+            fc1.forward = TiledForward(block, [fc1, fc2], count)
+            layer.activation_fn, fc2.forward = torch.nn.Identity(), _passed_through
+    return model
+
+
+def _passed_through(x):
+    return x
+
+
+class TiledForward:
+    """The forward of an MLP over `count` tiles of the tokens (equal but the last; some empty when there are fewer
+    tokens than tiles): a callable kept as the module's `forward`, so its hooks (ZeRO-3's) still run around it.
+    Without gradients (evaluation, a reference pass) the tiles are computed and nothing is kept."""
+
+    def __init__(self, block, modules, count):
+        self.block, self.modules, self.count = block, modules, count
+
+    def __call__(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled():
+            trainable = [p for m in self.modules for p in m.parameters() if p.requires_grad]
+            out = TiledMLP.apply(self.block, self.count, trainable, _requires_grad(), flat)
+        else:
+            out = torch.cat([self.block(flat[a:b]) for a, b in spans(len(flat), self.count)])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def spans(rows, count):
+    """`count` tiles of `rows` rows, (start, stop) each: equal but the last; empty ones at the end when there are
+    fewer rows."""
+    size = max(1, math.ceil(rows / count))
+    return [(min(i * size, rows), min((i + 1) * size, rows)) for i in range(count)]
+
+
+def _requires_grad():
+    """A tensor that requires a gradient, passed along so that the output of a recomputed block requires one even
+    where its input does not (LoRA's first layer, over frozen embeddings): else its adapters would get none."""
+    return torch.empty(0, requires_grad=True)
+
+
+class TiledMLP(torch.autograd.Function):
+    """block(x) a tile of rows at a time, nothing kept but x; in backward each tile recomputed and differentiated,
+    the parameters' gradients summed over the tiles in their .grad. DeepSpeed reduces a gradient as it is summed
+    (and refuses a second one) unless the parameter says it is not ready: `ds_grad_is_ready`, false until the last
+    tile (its own tiled computations' flag, runtime/zero/stage3.py and stage_1_and_2.py)."""
+
+    @staticmethod
+    def forward(ctx, block, count, trainable, _, x):
+        ctx.block, ctx.trainable, ctx.needs, ctx.count = block, trainable, x.requires_grad, count
+        ctx.state = Replay(x.device)  # dropout's random state, autocast
+        ctx.save_for_backward(x)
+        return torch.cat([block(x[a:b]) for a, b in spans(len(x), count)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs else None
+        with ctx.state.replayed():
+            for i, (a, b) in enumerate(spans(len(x), ctx.count)):
+                for p in ctx.trainable:
+                    p.ds_grad_is_ready = i == ctx.count - 1
+                piece = x[a:b].detach().requires_grad_(ctx.needs)
+                with torch.enable_grad():
+                    out = ctx.block(piece)
+                if out.requires_grad:  # (else nothing here trains, and x needs no gradient)
+                    torch.autograd.backward(out, grad[a:b])
+                if ctx.needs:
+                    grad_x[a:b] = piece.grad if piece.grad is not None else 0
+        return None, None, None, None, grad_x
+
+
+class Replay:
+    """What a recomputation must replay of its forward: the random state (dropout's masks) and autocast."""
+
+    def __init__(self, device):
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+
+    @contextlib.contextmanager
+    def replayed(self):
+        devices = [self.device] if self.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type), \
+                torch.autocast(self.device.type, dtype=self.autocast[1], enabled=self.autocast[0]):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            yield
+
+
+def offload_layer_inputs(model):
+    """--offload-activations: gradient checkpointing whose kept layer inputs live in host memory (the HostCopies
+    returned). transformers' checkpointed layers call `_gradient_checkpointing_func(forward, *args)`
+    (modeling_layers.py): it is this."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    host = HostCopies()
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = lambda forward, *args: host.checkpoint(forward, *args)
+    return host
+
+
+class HostCopies:
+    """The layers' inputs in host memory, in the order their forwards ran; the backward takes them back in reverse,
+    fetching the next one while the current layer recomputes."""
+
+    def __init__(self):
+        self.kept, self.free = [], {}  # pending host copies; reusable pinned buffers by (shape, dtype)
+        self.stream = None
+
+    def checkpoint(self, forward, *args):
+        if not torch.is_grad_enabled():  # a pass without a backward (a reference, KTO's KL point): nothing to keep
+            return forward(*args)
+        tensors = [a for a in args if torch.is_tensor(a)]
+        kwargs = getattr(forward, "keywords", {})
+        if len(tensors) != len(args) or any(torch.is_tensor(v) and v.requires_grad for v in kwargs.values()):
+            fail("--offload-activations: this model's layers take inputs it cannot keep on the host (a tensor "
+                 "keyword that needs a gradient); use --gradient-checkpointing alone")
+        return Offloaded.apply(forward, self, _requires_grad(), *args)
+
+    def put(self, x):
+        """The host copy of x (on a CPU: a copy all the same), started; a handle for take()."""
+        if x.device.type != "cuda":
+            copy = x.detach().clone()
+        else:
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(x.device)
+            buffers = self.free.get((x.shape, x.dtype))
+            copy = buffers.pop() if buffers else torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream(x.device))  # x is made on the main stream
+            with torch.cuda.stream(self.stream):
+                copy.copy_(x.detach(), non_blocking=True)
+            x.record_stream(self.stream)  # its memory not reused before the copy has read it
+        handle = {"host": copy, "device": x.device, "back": None}
+        self.kept.append(handle)
+        return handle
+
+    def take(self, handle):
+        """x back on its device; the previous layer's input starts coming back (the backward's next)."""
+        self.fetch(handle)
+        index = next(i for i, kept in enumerate(self.kept) if kept is handle)
+        if index:
+            self.fetch(self.kept[index - 1])
+        self.kept.pop(index)
+        back = handle["back"]
+        if back.device.type == "cuda":
+            torch.cuda.current_stream(back.device).wait_stream(self.stream)
+            back.record_stream(torch.cuda.current_stream(back.device))
+            host = handle["host"]
+            self.free.setdefault((host.shape, host.dtype), []).append(host)  # reused after this copy (same stream)
+        return back
+
+    def fetch(self, handle):
+        if handle["back"] is not None:
+            return
+        host = handle["host"]
+        if handle["device"].type != "cuda":
+            handle["back"] = host
+            return
+        with torch.cuda.stream(self.stream):
+            handle["back"] = host.to(handle["device"], non_blocking=True)
+
+
+class Offloaded(torch.autograd.Function):
+    """forward(*inputs) of a checkpointed layer, its inputs kept by `host`; in backward recomputed (the forward's
+    random state and autocast replayed) and differentiated in one pass: each parameter's gradient once."""
+
+    @staticmethod
+    def forward(ctx, forward, host, _, *inputs):
+        ctx.forward, ctx.host, ctx.needs = forward, host, [x.requires_grad for x in inputs]
+        ctx.state = Replay(inputs[0].device)
+        ctx.kept = [host.put(x) for x in inputs]
+        return forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [ctx.host.take(h).detach().requires_grad_(need) for h, need in zip(ctx.kept, ctx.needs, strict=True)]
+        with ctx.state.replayed(), torch.enable_grad():
+            outputs = ctx.forward(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=False)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return None, None, None, *(x.grad if need else None for x, need in zip(inputs, ctx.needs, strict=True))
+
+
+def tiles(tokens, hidden):
+    """How many tiles --tiled-mlp cuts a micro-batch of up to `tokens` into: one a `hidden` tokens (ALST's count)."""
+    return max(1, math.ceil(tokens / hidden))
