@@ -75,6 +75,31 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
     ),
 }
 SCALE_UP = ("QLoRA 16, 4-bit base", "LoRA 16", "full, ZeRO-3 + CPU offload")  # the 8B shape's runs, in their order
+# long sequences on one GPU (docs/long-context.md): one sequence of 8k-64k tokens (a stream of reviews: whole-length
+# attention), checkpointing alone against --offload-activations --tiled-mlp; at the 1B shape full fine-tuning, at the
+# 8B shape QLoRA and LoRA
+LONG_BLOCKS = (8192, 16384, 32768, 65536)
+LONG_WAYS = {
+    "checkpointed": ["--gradient-checkpointing"],
+    "offloaded + tiled": ["--offload-activations", "--tiled-mlp"],
+}
+LONG_BASES = {"": [], "QLoRA, ": ["--lora-rank=16", "--load-in-4bit"], "LoRA, ": ["--lora-rank=16"]}
+for _base, _lora in LONG_BASES.items():
+    for _block in LONG_BLOCKS:
+        for _way, _flags in LONG_WAYS.items():
+            RUNS[f"{_base}{_block // 1024}k, {_way}"] = (
+                "single-gpu.py",
+                ["--packing=stream", f"--block-size={_block}", "--batch-size=1", *_lora, *_flags],
+                "ZeRO-0",
+                "reviews",
+                1,
+            )
+LONG = {  # shape -> its runs, in the order they are measured
+    "long-1b": [f"{b // 1024}k, {w}" for b in LONG_BLOCKS for w in LONG_WAYS],
+    "long-8b": [
+        f"{q}{b // 1024}k, {w}" for q in ("QLoRA, ", "LoRA, ") for b in (16384, 65536, 8192, 32768) for w in LONG_WAYS
+    ],
+}
 # (shape, run) in the order the goals need them, should the budget run out: the engine against single-gpu.py and the
 # Trainer, the 1B shape's MFU, compile on chats and reviews, then the rest at the 1B shape
 ORDER = [
@@ -89,6 +114,7 @@ ORDER = [
     ("opt-125m", "ZeRO-3 + CPU offload"),
     ("llama-3.2-1b", "ZeRO-3 + CPU offload"),
     *(("llama-3.1-8b", r) for r in SCALE_UP),  # a call of its own: bash bench/gpu.sh --shapes llama-3.1-8b
+    *((shape, r) for shape, runs in LONG.items() for r in runs),  # and another: --shapes long-1b long-8b
 ]
 # shape -> (sequences a step, block, steps, log interval, seconds each part may take); the profiler counts steps 5-8,
 # inside the first log interval, which the steady figures leave out
@@ -96,22 +122,33 @@ SHAPES = {
     "opt-125m": (16, 512, 40, 10, 50),
     "llama-3.2-1b": (16, 512, 20, 10, 75),
     "llama-3.1-8b": (2, 2048, 24, 8, 150),
+    "long-1b": (1, 8192, 4, 1, 60),  # the runs' own blocks
+    "long-8b": (1, 8192, 4, 1, 90),
 }
 # dry: the demo model, and for the 8B runs a narrowed copy of Llama-3.1-8B's config (run.model_folder)
-DRY = {"demo": (4, 64, 12, 10, 60), "llama-3.1-8b-narrowed": (2, 256, 4, 2, 90)}
+DRY = {"demo": (4, 64, 12, 10, 60), "llama-3.1-8b-narrowed": (2, 256, 4, 2, 90), "long-demo": (1, 128, 4, 1, 60)}
+MODELS = {"long-1b": "llama-3.2-1b", "long-8b": "llama-3.1-8b", "long-demo": "demo"}  # a shape's model, if another
 ATTENTION_S = 60  # seconds bench/attention.py may take: 4 shapes x 4 kernels x 23 passes of a few ms
 
 
 def parts(shapes):
     """[(shape, run's name)] to run: ORDER's, or on a dry run every run at the demo's shape."""
-    if set(shapes) <= set(DRY):
-        return [(shape, name) for shape in shapes for name in RUNS if (name in SCALE_UP) == (shape != "demo")]
+    if set(shapes) <= set(DRY):  # the demo's runs, the 8B runs narrowed, the long ones 64x shorter on the demo model
+        dry = {
+            "demo": [n for n in RUNS if n not in SCALE_UP and "k, " not in n],
+            "llama-3.1-8b-narrowed": SCALE_UP,
+            "long-demo": LONG["long-1b"][:4],
+        }
+        return [(shape, name) for shape in shapes for name in dry[shape]]
     return [(shape, name) for shape, name in ORDER if shape in shapes]
 
 
 def sizes(shape, name, dry):
     """(sequences a step, block) of a run at a shape: a run with blocks 4x as long has a quarter of the sequences."""
     batch, block = (DRY if dry else SHAPES)[shape][:2]
+    own = next((int(f.split("=")[1]) for f in RUNS[name][1] if f.startswith("--block-size=")), None)
+    if own:  # a long sequence's run: its own block (on a dry run 64x shorter)
+        return 1, own // 64 if dry else own
     return (batch // 4, block * 4) if "4x as long" in name else (batch, block)
 
 
@@ -144,6 +181,7 @@ def command(shape, name, script, extra, folder, model, dataset, dry):
             f"--output-dir={folder}",
             "--overwrite",
         ]
+    extra = [f for f in extra if not f.startswith(("--block-size=", "--batch-size="))]  # sizes()' own
     return [sys.executable, script, *flags, *extra]
 
 
@@ -259,7 +297,7 @@ def main(argv=None):
         if missing:
             row["status"] = f"skipped: no {' or '.join(missing)} here (add its wheel to .whl/: ../shared/gpu/README.md)"
             continue
-        model = model_folder(shape, out)
+        model = model_folder(MODELS.get(shape, shape), out)
         row["planned"], row["planned_host"] = planned_peak(model, option, shape, name, args.dry)
         if row["planned_host"] and row["planned_host"] > psutil.virtual_memory().total:
             row["status"] = (

@@ -145,10 +145,11 @@ def offload_layer_inputs(model):
 
 class HostCopies:
     """The layers' inputs in host memory, in the order their forwards ran; the backward takes them back in reverse,
-    fetching the next one while the current layer recomputes."""
+    fetching the next one while the current layer recomputes. On a GPU: pinned buffers, reused (a pinned allocation
+    is slow), the copies on a side stream of their own, each waited for by an event of its own."""
 
     def __init__(self):
-        self.kept, self.free = [], {}  # pending host copies; reusable pinned buffers by (shape, dtype)
+        self.kept, self.free = [], []  # pending host copies (handles); pinned buffers to reuse
         self.stream = None
 
     def checkpoint(self, forward, *args):
@@ -164,17 +165,19 @@ class HostCopies:
     def put(self, x):
         """The host copy of x (on a CPU: a copy all the same), started; a handle for take()."""
         if x.device.type != "cuda":
-            copy = x.detach().clone()
+            handle = {"host": x.detach().clone(), "device": x.device, "back": None}
         else:
             if self.stream is None:
                 self.stream = torch.cuda.Stream(x.device)
-            buffers = self.free.get((x.shape, x.dtype))
-            copy = buffers.pop() if buffers else torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            buffer = fitting(self.free, x.numel(), x.dtype)
+            if buffer is None:
+                buffer = torch.empty(x.numel(), dtype=x.dtype, pin_memory=True)
+            host = buffer[: x.numel()].view(x.shape)
             self.stream.wait_stream(torch.cuda.current_stream(x.device))  # x is made on the main stream
             with torch.cuda.stream(self.stream):
-                copy.copy_(x.detach(), non_blocking=True)
+                host.copy_(x.detach(), non_blocking=True)
             x.record_stream(self.stream)  # its memory not reused before the copy has read it
-        handle = {"host": copy, "device": x.device, "back": None}
+            handle = {"host": host, "buffer": buffer, "device": x.device, "back": None}
         self.kept.append(handle)
         return handle
 
@@ -187,21 +190,33 @@ class HostCopies:
         self.kept.pop(index)
         back = handle["back"]
         if back.device.type == "cuda":
-            torch.cuda.current_stream(back.device).wait_stream(self.stream)
-            back.record_stream(torch.cuda.current_stream(back.device))
-            host = handle["host"]
-            self.free.setdefault((host.shape, host.dtype), []).append(host)  # reused after this copy (same stream)
+            main = torch.cuda.current_stream(back.device)
+            main.wait_event(handle["ready"])  # this copy only: the prefetch goes on beside the recomputation
+            back.record_stream(main)  # made on the side stream, used on the main one
+            self.free.append(handle["buffer"])  # its next copy, on the same stream, comes after this one
         return back
 
     def fetch(self, handle):
         if handle["back"] is not None:
             return
-        host = handle["host"]
         if handle["device"].type != "cuda":
-            handle["back"] = host
+            handle["back"] = handle["host"]
             return
         with torch.cuda.stream(self.stream):
-            handle["back"] = host.to(handle["device"], non_blocking=True)
+            handle["back"] = handle["host"].to(handle["device"], non_blocking=True)
+            handle["ready"] = torch.cuda.Event()
+            handle["ready"].record(self.stream)
+
+
+def fitting(free, numel, dtype):
+    """The smallest free buffer of `dtype` holding `numel` elements, taken from `free`; None if none does (the
+    blocks' widths vary: a buffer serves any shorter one)."""
+    fits = [b for b in free if b.dtype == dtype and b.numel() >= numel]
+    if not fits:
+        return None
+    best = min(fits, key=torch.Tensor.numel)
+    del free[next(i for i, b in enumerate(free) if b is best)]
+    return best
 
 
 class Offloaded(torch.autograd.Function):

@@ -120,6 +120,20 @@ def test_the_8b_runs_dry_on_a_narrowed_config_with_the_plans_gpu_and_host_peaks(
     assert not (tmp_path / "runs" / "llama-3.1-8b-narrowed-LoRA_16" / "profile").exists()  # started, no step seen
 
 
+def test_the_long_sequence_runs_dry(tmp_path):
+    """bash bench/gpu.sh --shapes long-1b long-8b (one sequence of 8k-64k tokens, checkpointing alone against
+    --offload-activations --tiled-mlp) dry: the demo model at 1/64 of the blocks, the plan's peak and host memory
+    beside each, the same loss both ways."""
+    gpu = load_script("bench/gpu.py")
+    runs = ["8k, checkpointed", "8k, offloaded + tiled"]
+    rows = gpu.main(["--dry", "--shapes", "long-demo", "--runs", *runs, "--out", str(tmp_path)])
+    assert [(r["run"], r["status"]) for r in rows] == [(run, "ok") for run in runs]
+    plain, both = rows
+    assert plain["loss"] == pytest.approx(both["loss"], rel=1e-5) and both["tok_s"] > 0
+    assert both["planned"] <= plain["planned"] and both["planned_host"] > plain["planned_host"]
+    assert gpu.sizes("long-1b", "QLoRA, 64k, offloaded + tiled", False) == (1, 65536)
+
+
 def test_a_8b_plan_that_needs_more_host_memory_than_there_is_skips_the_run():
     """Full fine-tuning of Llama-3.1-8B with its fp32 Adam state on the host: plan.py's 150 GiB of CPU memory; the
     GPU machine has 128 GiB, so the part is skipped with the reason rather than run out of memory."""

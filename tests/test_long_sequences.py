@@ -137,6 +137,16 @@ def test_the_layers_inputs_come_back_in_the_backwards_order():
     assert host.kept == []
 
 
+@pytest.mark.quick
+def test_a_pinned_buffer_is_reused_by_any_shorter_input_of_its_type():
+    """The blocks' widths vary from batch to batch: a free buffer serves any input it holds, the smallest first,
+    and one of another type or too short none."""
+    free = [torch.empty(10), torch.empty(6), torch.empty(8, dtype=torch.bfloat16)]
+    assert long_sequences.fitting(free, 5, torch.float32).numel() == 6 and len(free) == 2
+    assert long_sequences.fitting(free, 11, torch.float32) is None
+    assert long_sequences.fitting(free, 7, torch.bfloat16).numel() == 8 and [b.numel() for b in free] == [10]
+
+
 def test_a_mixture_of_experts_is_refused_in_one_line(tiny, tmp_path):
     model = build("mixtral", AutoTokenizer.from_pretrained(tiny["model"]), tmp_path / "mixtral", num_local_experts=4)
     with pytest.raises(SystemExit, match="--tiled-mlp: this model's MLP is a mixture of experts"):
