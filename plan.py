@@ -188,6 +188,12 @@ def activations(batch, seq, config, precision, *, checkpointing, loss_chunk, seq
     return kept + logits_bytes(batch * seq, vocab, precision, loss_chunk)
 
 
+def pinned(total, layers):
+    """Host memory the layers' inputs take in pinned buffers, one a layer: torch's pinned allocator rounds each up to
+    a power of two (ATen's CachingHostAllocator)."""
+    return layers * 2 ** math.ceil(math.log2(max(1, total / layers)))
+
+
 def layer_inputs_bytes(batch, seq, config, precision, autocast=False):
     """The layers' inputs gradient checkpointing keeps (on the host with --offload-activations): the residual
     stream's, fp32 under autocast and in fp32 runs, else 16 bits; seq: a GPU's share of a sequence."""
@@ -273,9 +279,9 @@ def plan(args):
             tiled_mlp=args.tiled_mlp, offload=args.offload_activations)
         acts = acts_at(args.block_size)
         # --offload-activations: each GPU's process keeps its layers' inputs in this node's memory
-        offloaded = lambda block, autocast=autocast: args.gpus * layer_inputs_bytes(  # noqa: E731
-            args.batch_size, math.ceil(block / args.sequence_parallel), config, args.precision, autocast) \
-            if args.offload_activations else 0
+        offloaded = lambda block, autocast=autocast: args.gpus * pinned(layer_inputs_bytes(  # noqa: E731
+            args.batch_size, math.ceil(block / args.sequence_parallel), config, args.precision, autocast),
+            config.get_text_config().num_hidden_layers) if args.offload_activations else 0
         states = {k: v + (constants if k != "cpu" else 0)
                   for k, v in model_states(held, hidden, args.precision, ranks, option, layer=layer,
                                                    groups=groups).items()}

@@ -12,6 +12,7 @@ pieces; `check` says in one line what cannot run. What setup resolves later (the
 import argparse
 import dataclasses
 import json
+import math
 import os
 import types
 from pathlib import Path
@@ -198,8 +199,9 @@ class Config:
 
     @property
     def micro_tokens(self):
-        """The most tokens a micro-batch holds on a rank (--tiled-mlp cuts them into the same tiles on every rank)."""
-        return self.train.batch_size * self.data.block_size
+        """The most tokens a micro-batch holds on a rank (its share of each sequence under --sequence-parallel):
+        --tiled-mlp cuts them into the same tiles on every rank, --offload-activations sizes its buffers for them."""
+        return self.train.batch_size * math.ceil(self.data.block_size / self.sequence_parallel)
 
     @property
     def sequence_parallel(self):

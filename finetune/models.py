@@ -163,7 +163,7 @@ def prepare_model(model, settings, seed, tokens=None):
     if settings.tiled_mlp:  # after LoRA: the tiles run the adapters too
         long_sequences.tile_mlps(model, model.config, tokens)
     if settings.offload_activations:  # gradient checkpointing, the layers' inputs in host memory
-        long_sequences.offload_layer_inputs(model)
+        long_sequences.offload_layer_inputs(model, tokens)
     elif settings.gradient_checkpointing:
         # non-reentrant: gradients reach the adapters even though the frozen embeddings' outputs need none
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -132,9 +132,14 @@ def test_the_layers_inputs_come_back_in_the_backwards_order():
     """Three layers' inputs kept: the backward takes the last first, and taking one starts fetching the one before."""
     host = long_sequences.HostCopies()
     kept = [host.put(torch.full((2,), float(i))) for i in range(3)]
-    assert host.take(kept[2]).tolist() == [2.0, 2.0] and kept[1]["back"] is not None and kept[0]["back"] is None
+    assert host.take(kept[2]).tolist() == [2.0, 2.0] and kept[1].back is not None and kept[0].back is None
+    assert kept[2].back is None and kept[2].host is None  # let go of once taken: the node outlives its backward
     assert host.take(kept[1]).tolist() == [1.0, 1.0] and host.take(kept[0]).tolist() == [0.0, 0.0]
     assert host.kept == []
+    abandoned = host.put(torch.ones(2))  # a forward never backpropagated: forgotten with its node
+    del abandoned
+    host.put(torch.ones(2))
+    assert len(host.kept) == 1
 
 
 @pytest.mark.quick
@@ -184,7 +189,7 @@ def test_the_plan_holds_the_host_copies_a_run_makes(llama):
     host = long_sequences.offload_layer_inputs(model)
     ids = torch.randint(0, model.config.vocab_size, (3, 40))
     loss = model(input_ids=ids, labels=ids).loss
-    kept = sum(h["host"].nbytes for h in host.kept)
+    kept = sum(ref().host.nbytes for ref in host.kept)
     assert len(host.kept) == model.config.num_hidden_layers
     assert kept == plan.layer_inputs_bytes(3, 40, model.config, "fp32") > 0
     loss.backward()
