@@ -174,7 +174,7 @@ def offload_layer_inputs(model, tokens=None):
     host = HostCopies(tokens)
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = lambda forward, *args: host.checkpoint(forward, *args)
+            module._gradient_checkpointing_func = host.checkpoint
     return host
 
 

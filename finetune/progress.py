@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import hardware, loss, models, preference, tracking
+from . import hardware, long_sequences, loss, models, preference, tracking
 from .base import fail, write_json
 from .evaluation import perplexity
 from .internals import hangs
@@ -309,12 +309,17 @@ def what_ran(model):
     """What the run trained with, read from the model (under DeepSpeed the engine), not from the flags: the dtype the
     trainable weights are held in (ZeRO-3: their shards; the engine keeps fp32 masters beside 16-bit ones), gradient
     checkpointing; under DeepSpeed its ZeRO stage, 16-bit mode (its own 16-bit weights, or torch's autocast over fp32
-    ones), and the optimizer that steps and where its state is (offload: DeepSpeed's CPU Adam)."""
+    ones), and the optimizer that steps and where its state is (offload: DeepSpeed's CPU Adam); whether the layers'
+    inputs went to the host (--offload-activations) and the MLPs ran in tiles (--tiled-mlp)."""
     net = loss.causal_lm(model)
     trainable = next(p for p in net.parameters() if p.requires_grad)
     held = getattr(trainable, "ds_tensor", trainable)
     name = lambda dtype: str(dtype).removeprefix("torch.")
-    ran = {"weights_dtype": name(held.dtype), "gradient_checkpointing": bool(net.is_activation_checkpointing)}
+    ran = {"weights_dtype": name(held.dtype), "gradient_checkpointing": bool(net.is_activation_checkpointing),
+           "offload_activations": any(isinstance(getattr(getattr(m, "_gradient_checkpointing_func", None),
+                                                         "__self__", None), long_sequences.HostCopies)
+                                      for m in net.modules()),
+           "tiled_mlp": any(isinstance(vars(m).get("forward"), long_sequences.TiledForward) for m in net.modules())}
     if hasattr(model, "zero_optimization_stage"):
         ran["zero_stage"] = model.zero_optimization_stage()
         ran["engine_precision"] = "bf16" if model.bfloat16_enabled() else "fp16" if model.fp16_enabled() else \

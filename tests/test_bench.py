@@ -108,11 +108,11 @@ def test_the_8b_runs_dry_on_a_narrowed_config_with_the_plans_gpu_and_host_peaks(
     run's end (it crashed the interpreter's exit before)."""
     gpu = load_script("bench/gpu.py")
     rows = gpu.main(["--dry", "--shapes", "llama-3.1-8b-narrowed", "--out", str(tmp_path)])
-    assert [r["run"] for r in rows] == ["LoRA 16", "QLoRA 16, 4-bit base", "full, ZeRO-3 + CPU offload"]
+    assert [r["run"] for r in rows] == ["QLoRA 16, 4-bit base", "LoRA 16", "full, ZeRO-3 + CPU offload"]
     assert [r["status"] for r in rows] == ["ok"] * 3, rows
     for r in rows:
         assert r["tok_s"] > 0 and r["host"] > 0 and r["planned"] > 0 and math.isfinite(r["loss"])
-    lora, qlora, full = rows
+    qlora, lora, full = rows
     assert lora["planned_host"] > 0 and full["planned_host"] > lora["planned_host"]  # the optimizer's state there
     assert qlora["planned"] < lora["planned"]  # the 4-bit base
     header = (tmp_path / "GPU.md").read_text().splitlines()[2].split(" | ")

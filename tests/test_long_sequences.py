@@ -81,6 +81,11 @@ def test_one_process_trains_as_without_them(tiny, opt, llama, checkpointed, tmp_
     checkpointing = [] if "--offload-activations" in options else ["--gradient-checkpointing"]
     single.main(args(tiny, model, tmp_path) + options + lora + checkpointing)
     assert_same_run(checkpointed[name], tmp_path)
+    ran = results(tmp_path)["ran"]  # read from the model
+    assert (ran["tiled_mlp"], ran["offload_activations"]) == (
+        "--tiled-mlp" in options,
+        "--offload-activations" in options,
+    )
 
 
 def test_zero3_on_2_ranks_and_with_lora(tiny, llama, checkpointed, tmp_path):

@@ -93,6 +93,8 @@ def test_zero_gives_the_single_process_lora(tiny, tmp_path, reference, stage, of
         assert r["ran"] == {
             "weights_dtype": "float32",
             "gradient_checkpointing": stage == 3,
+            "offload_activations": False,
+            "tiled_mlp": False,
             "zero_stage": stage,
             "engine_precision": "fp32",
             "optimizer": "DeepSpeedCPUAdam on cpu" if offload == "cpu" else "AdamW on cpu",

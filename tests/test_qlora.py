@@ -177,6 +177,8 @@ def plan_args(model, gpus, **flags):
         "batch_size": 1,
         "block_size": 2048,
         "gradient_checkpointing": True,
+        "offload_activations": False,
+        "tiled_mlp": False,
         "loss_chunk": 1024,
         "lora_rank": 16,
         "lora_targets": "all-linear",

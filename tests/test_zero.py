@@ -129,6 +129,8 @@ def test_zero_matches_single_process(tiny, tmp_path, reference, stage, offload):
     assert r["ran"] == {
         "weights_dtype": "float32",
         "gradient_checkpointing": checkpointing,
+        "offload_activations": False,
+        "tiled_mlp": False,
         "zero_stage": stage,
         "engine_precision": "fp32",
         "optimizer": "DeepSpeedCPUAdam on cpu" if offload == "cpu" else "AdamW on cpu",
