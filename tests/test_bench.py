@@ -107,17 +107,19 @@ def test_the_8b_runs_dry_on_a_narrowed_config_with_the_plans_gpu_and_host_peaks(
     peak and host memory beside plan.py's. 4 steps: fewer than the profiler's window, whose profiler is closed at the
     run's end (it crashed the interpreter's exit before)."""
     gpu = load_script("bench/gpu.py")
-    rows = gpu.main(["--dry", "--shapes", "llama-3.1-8b-narrowed", "--out", str(tmp_path)])
-    assert [r["run"] for r in rows] == ["QLoRA 16, 4-bit base", "LoRA 16", "full, ZeRO-3 + CPU offload"]
-    assert [r["status"] for r in rows] == ["ok"] * 3, rows
+    runs = ["QLoRA 16, 4-bit base", "full, ZeRO-3 + CPU offload"]  # (LoRA: QLoRA's run without --load-in-4bit)
+    rows = gpu.main(["--dry", "--shapes", "llama-3.1-8b-narrowed", "--runs", *runs, "--out", str(tmp_path)])
+    assert [(r["run"], r["status"]) for r in rows] == [(run, "ok") for run in runs], rows
     for r in rows:
         assert r["tok_s"] > 0 and r["host"] > 0 and r["planned"] > 0 and math.isfinite(r["loss"])
-    qlora, lora, full = rows
-    assert lora["planned_host"] > 0 and full["planned_host"] > lora["planned_host"]  # the optimizer's state there
-    assert qlora["planned"] < lora["planned"]  # the 4-bit base
+    qlora, full = rows
+    assert full["planned_host"] > 0 and not qlora["planned_host"]  # the optimizer's state there; QLoRA loads on GPU
+    model = tmp_path / "models" / "llama-3.1-8b-narrowed"
+    assert qlora["planned"] < gpu.planned_peak(model, "ZeRO-0", qlora["shape"], "LoRA 16", True)[0]  # 4-bit base
     header = (tmp_path / "GPU.md").read_text().splitlines()[2].split(" | ")
     assert header[6:10] == ["peak GiB", "planned GiB", "host GiB", "planned host GiB"]
-    assert not (tmp_path / "runs" / "llama-3.1-8b-narrowed-LoRA_16" / "profile").exists()  # started, no step seen
+    assert not (tmp_path / "runs" / "llama-3.1-8b-narrowed-QLoRA_16__4_bit_base" / "profile").exists()  # no step
+    assert gpu.parts(["llama-3.1-8b"]) == [("llama-3.1-8b", r) for r in gpu.SCALE_UP]  # QLoRA and LoRA first
 
 
 def test_the_long_sequence_runs_dry(tmp_path):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import plan
 
 WORLDS = (8, 64, 512)
-OPTIONS = ("ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + CPU offload", "ZeRO-2 + CPU offload")
+OPTIONS = ("ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 + CPU offload")  # (the tool has ZeRO-2 + CPU offload too)
 CONFIG = LlamaConfig(  # 30 tensors, 2.6M parameters, two thirds of them in the embedding and the head
     hidden_size=128,
     intermediate_size=344,
@@ -64,16 +64,15 @@ def test_zero12_padding_and_gradient_buffer_to_the_element(simulated):
     """Each group's flat buffer padded to a multiple of 2N; the gradient buffer holding every tensor the rank's
     partition touches, whole: at 512 ranks the worst rank holds 45x its even share."""
     groups = plan.optimizer_groups(CONFIG)
-    rows = [r for r in simulated if r["option"] in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload")]
-    assert len(rows) == len(WORLDS) * 3 * 2 * 2
+    rows = [r for r in simulated if r["option"] in ("ZeRO-1", "ZeRO-2")]
+    assert len(rows) == len(WORLDS) * 2 * 2 * 2
     for r in rows:
         assert r["flat_elements"] == [plan.flat_size(g, r["world"]) for g in groups], r
         if r["world"] == 512:  # the norms' group: 7 x 128 elements padded to 2N
             assert sum(groups[1]) == 896 and r["flat_elements"][1] == 1024
-        if "offload" not in r["option"]:
-            assert r["gradient_buffer_elements"] == plan.partition_gradients(groups, r["world"])[r["rank"]], r
+        assert r["gradient_buffer_elements"] == plan.partition_gradients(groups, r["world"])[r["rank"]], r
     even = sum(map(sum, groups)) / 512
-    worst = max(r["gradient_buffer_elements"] for r in rows if r["world"] == 512 and "offload" not in r["option"])
+    worst = max(r["gradient_buffer_elements"] for r in rows if r["world"] == 512)
     assert worst > 40 * even
 
 
