@@ -81,14 +81,14 @@ def model_states(params, hidden, precision, ranks, option, *, layer=None, groups
             gpu = weights + b * largest
             cpu = states + 4 * mine + b * mine + b * largest
             return dict(after_backward=gpu + cpu, after_step=gpu + cpu, in_step=gpu + cpu, gpu=gpu, cpu=cpu)
-        held = weights + states  # in the step: the fp32 flat copy of the gradient partition (the norm copies none:
-        # mend norm_at_once); on one GPU the gradients stay where autograd made them (contiguous_gradients off) and
-        # the step flattens them first: a second 16-bit copy. On more, the rank's gradient buffer holds the whole
-        # gradient of every tensor its partition touches, until the step
+        held = weights + states  # the gradients: on one GPU all of them; on more, the rank's buffer of the whole
+        # gradient of every tensor its partition touches, until the step. The step flattens a group's partition
+        # (a copy) and casts it to fp32 (another in 16-bit runs; the norm copies none: mend norm_at_once)
         grads = b * (trainable if n == 1 else partition_gradients(groups, n)[worst_rank(groups, n) if rank is None
                                                                             else rank])
+        part = max(flat_size(sizes, n) for sizes in groups) // n  # the largest group's partition
         return dict(after_backward=held + grads, after_step=held, gpu=held + grads, cpu=0,
-                    in_step=held + grads + (b * mine if n == 1 else 0) + 4 * mine)
+                    in_step=held + grads + b * part + (4 * part if b == 2 else 0))
     # stage 3: everything partitioned: trainable 16-bit shards, a persistent 16-bit gradient partition, fp32 master
     # and moments; frozen shards; small parameters also held whole (gathered, persistent); one reduce bucket.
     # (LoRA adapters, made after the model's zero.Init, are cast to the run's 16 bits before the engine takes them.)
@@ -189,8 +189,7 @@ def activations(batch, seq, config, precision, *, checkpointing, loss_chunk, seq
 
 
 def pinned(total, layers):
-    """Host memory the layers' inputs take in pinned buffers, one a layer: torch's pinned allocator rounds each up to
-    a power of two (ATen's CachingHostAllocator)."""
+    """Host bytes of the layers' inputs in pinned buffers, one a layer, each rounded up to a power of two by torch."""
     return layers * 2 ** math.ceil(math.log2(max(1, total / layers)))
 
 
@@ -289,6 +288,8 @@ def plan(args):
         # the reduce buckets (x2: overlap_comm, 2+ GPUs); on one GPU without offload nothing is reduced
         if option in ("ZeRO-1", "ZeRO-2", "ZeRO-2 + CPU offload") and (ranks > 1 or "offload" in option):
             transient += (2 if ranks > 1 else 1) * b * max(hidden ** 2, ZERO2_BUCKET)
+            # and a gradient larger than the bucket, which bypasses it until reduced (stage_1_and_2.py)
+            transient += b * max((k for k, t in params if t), default=0) if "offload" not in option else 0
         if option == "ZeRO-2 + CPU offload":  # the norm's fp64 copy is made in the backward pass here
             transient += norm_copy_bytes(params, ranks)
         if option.startswith("ZeRO-3"):  # gathered parameters kept from forward to backward (reuse distance)

@@ -6,9 +6,9 @@
 torch's fake process group (torch.testing._internal.distributed.fake_pg) is a world of W ranks whose collectives do
 nothing: this process is one rank of it, any rank. On it, zero-optimization.py's own engine set-up (the shipped
 ZeRO config with its "auto" values filled by zero_config.deepspeed_config, the model loaded by models.load_causal_lm
-under HfDeepSpeedConfig, the loss module, the optimizer's groups, the mends) runs two steps of a small model; per
-rank it counts the bytes of model state held after the second backward and after its step (memory.held_bytes:
-weights, gradients, optimizer state, DeepSpeed's buffers, each storage once) and the collectives of the second step
+under HfDeepSpeedConfig, the loss module, the optimizer's groups, the mends) runs three steps of a small model; per
+rank it counts the bytes of model state held after the third backward and after its step (memory.held_bytes:
+weights, gradients, optimizer state, DeepSpeed's buffers, each storage once) and the collectives of that step
 with their sizes (each one's whole buffer: an all-gather's output, a reduce-scatter's input). Ranks simulated: 0,
 and the one plan.py finds holding the most (ZeRO-1/2: where whole tensors straddle a partition's edge).
 The collectives' data is garbage, so the losses and weights mean nothing: only bytes and counts are claimed.
@@ -82,7 +82,7 @@ def join(world, rank):
 
 
 def simulate(folder, option, precision, world, rank):
-    """{after_backward, after_step: bytes held, collectives: {name: [count, bytes]} of the second step} of rank
+    """{after_backward, after_step: bytes held, collectives: {name: [bytes of each call]}} of the last step of rank
     `rank` of `world`, the engine built as zero-optimization.py builds it."""
     import deepspeed
     from transformers import AutoConfig

@@ -22,14 +22,9 @@ def launch_env(environ=None, world_of_one=True, visible=None):
     folder. A plain `python3` run is a world of one on this host (DeepSpeed would otherwise look for MPI)."""
     environ = os.environ if environ is None else environ
     environ.update(slurm_env(environ) or {})
-    if "RANK" not in environ and world_of_one:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]  # a free port, so two such runs do not collide
+    if "RANK" not in environ and world_of_one:  # a free port, so two such runs do not collide
         environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=environ.get("MASTER_PORT", str(port)))
+                       MASTER_PORT=environ.get("MASTER_PORT") or str(unclaimed_port()))
     # DeepSpeed picks the GPU from LOCAL_RANK (the process group's device_id, the engine, ZeRO-3's Init): a process
     # that sees one GPU only (SLURM's --gpus-per-task) must say 0 there; its place on the node stays what it was
     local_rank = int(environ.get("LOCAL_RANK", 0))
@@ -57,6 +52,28 @@ def cpu_threads(environ, usable, node_cores):
     if "OMP_NUM_THREADS" in environ or ranks <= 1 or usable < node_cores:
         return None
     return max(1, usable // ranks)
+
+
+def unclaimed_port(tries=50):
+    """A free TCP port below the kernel's ephemeral range (ip_local_port_range): a port the kernel hands out (to a
+    socket bound to port 0, to an outgoing connection) can be handed to another process between our check and our
+    bind, and was (a second run's rendezvous refused: "taken"); below the range only a chooser like this one lands."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    candidates = [random.randrange(max(1024, low - 12000), low) for _ in range(tries)] if low > 2048 else []
+    for port in [*candidates, 0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def gloo_interface(environ):

@@ -1,6 +1,8 @@
 """Who a process is and how it ends under any launcher (finetune/distributed.py), fed the facts a launcher would
 give: SLURM's variables and node lists, a world of one, Ctrl-C, the CPU teardown."""
 
+from pathlib import Path
+
 import pytest
 
 from finetune import distributed
@@ -115,3 +117,17 @@ def test_a_launch_token_is_the_same_on_every_rank_of_a_launch(facts, launcher, t
         for r in range(int(facts["WORLD_SIZE"]))
     }
     assert found == {token}
+
+
+@pytest.mark.quick
+def test_a_world_of_one_takes_a_port_the_kernel_hands_nobody():
+    """A plain run's rendezvous port is free and below the kernel's ephemeral range, where ports bound to 0 and
+    outgoing connections come from (another process took one between the check and the bind, once)."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {distributed.unclaimed_port() for _ in range(5)}
+    assert all(port < low for port in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
