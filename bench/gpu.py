@@ -128,6 +128,8 @@ SHAPES = {
 # dry: the demo model, and for the 8B runs a narrowed copy of Llama-3.1-8B's config (run.model_folder)
 DRY = {"demo": (4, 64, 12, 10, 60), "llama-3.1-8b-narrowed": (2, 256, 4, 2, 90), "long-demo": (1, 128, 4, 1, 60)}
 MODELS = {"long-1b": "llama-3.2-1b", "long-8b": "llama-3.1-8b", "long-demo": "demo"}  # a shape's model, if another
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # never inherited: a caller's
+# rendezvous (a port its own process group holds) is not a part's
 ATTENTION_S = 60  # seconds bench/attention.py may take: 4 shapes x 4 kernels x 23 passes of a few ms
 
 
@@ -189,7 +191,8 @@ def run_part(cmd, folder, deadline):
     """Run one part in its own process group; stop it (and what it started) at its deadline. (exit status or None
     when stopped, seconds)."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TRAIN_PROFILE": str(folder / "profile"), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}  # each part a world of one of its own
+    env.update(TRAIN_PROFILE=str(folder / "profile"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     if "--compile" in cmd:  # what dynamo recompiled or broke off, in the part's output.log
         env["TORCH_LOGS"] = "recompiles,graph_breaks"
     start = time.monotonic()
