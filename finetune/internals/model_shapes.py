@@ -17,19 +17,27 @@ OPT_SHAPES = {"opt-125m": (768, 12, 12, 3072), "opt-350m": (1024, 24, 16, 4096),
               "opt-2.7b": (2560, 32, 32, 10240), "opt-6.7b": (4096, 32, 32, 16384), "opt-13b": (5120, 40, 40, 20480),
               "opt-30b": (7168, 48, 56, 28672), "opt-66b": (9216, 64, 72, 36864)}
 
-def llama_3(hidden, ffn, layers, head_dim, tied, rope_factor):
-    """A Llama 3 config with its published values (the family's: 32 heads over 8 key-value heads, a 128,256-token
-    vocabulary, llama3 rope scaling), so that its shapes are planned and benchmarked offline."""
+def llama_3_2_1b():
+    """Llama-3.2-1B's published config (its values), so that its shape is planned and benchmarked offline."""
     from transformers import LlamaConfig
-    return LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=head_dim, vocab_size=128256, max_position_embeddings=131072,
-                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied,
-                       rope_scaling={"rope_type": "llama3", "factor": rope_factor, "high_freq_factor": 4.0,
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                       rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
                                      "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})
 
 
-PUBLISHED = {"meta-llama/Llama-3.2-1B": lambda: llama_3(2048, 8192, 16, 64, tied=True, rope_factor=32.0),
-             "meta-llama/Llama-3.1-8B": lambda: llama_3(4096, 14336, 32, 128, tied=False, rope_factor=8.0)}
+def llama_3_1_8b():
+    """Llama-3.1-8B's published config (its values), planned and benchmarked offline."""
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                     "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})
+
+
+PUBLISHED = {"meta-llama/Llama-3.2-1B": llama_3_2_1b, "meta-llama/Llama-3.1-8B": llama_3_1_8b}
 
 
 def load_config(name):
