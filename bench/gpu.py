@@ -1,6 +1,6 @@
 """The GPU benchmark that fits a short GPU slot: one command, one table (bench/gpu.sh runs it).
 
-    bash bench/gpu.sh              # one H100 or H200, at most 8 minutes: out/gpu/GPU.md, and $OUT/GPU.md where set
+    bash bench/gpu.sh              # one H100 or H200, at most 8 minutes: out/gpu/GPU.md and PROFILE.md (and in $OUT)
     bash bench/gpu.sh --dry        # any machine: the tiny demo model on the CPU, the same parts and columns (seconds)
 
 Parts, each its own process with its own deadline (a slow part is a row that says so and the rest go on; a part that
@@ -17,7 +17,9 @@ Columns: useful tokens/s after the warm-up (the first log interval) and its rati
 Trainer's; MFU; peak memory allocated beside plan.py's planned peak for the run; per step the kernel launches and
 device syncs torch.profiler counted over steps 5-8 (TRAIN_PROFILE: progress.Profiler; inside the warm-up interval);
 the last loss. Random weights (they time as trained ones), generated reviews and chats; a chats row's ratio is to
-single-gpu.py's on chats.
+single-gpu.py's on chats. PROFILE.md beside it: each run's profiled steps by kind of kernel time (matmuls, attention,
+norms and element-wise, the head with the loss and the embedding, the optimizer, communication) and the GPU's idle
+time between kernels (internals/step_time.py); at the 1B shape single-gpu.py eager and --compile, and ZeRO-2.
 """
 
 import argparse
@@ -105,6 +107,7 @@ LONG = {  # shape -> its runs, in the order they are measured
 ORDER = [
     *(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
     ("llama-3.2-1b", "single-gpu.py"),
+    ("llama-3.2-1b", "single-gpu.py, --compile"),  # the 1B step's profile: eager, compiled, ZeRO-2 (PROFILE.md)
     ("llama-3.2-1b", "single-gpu.py, blocks 4x as long"),
     ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
     ("opt-125m", "single-gpu.py, SDPA with the mask"),
@@ -224,6 +227,31 @@ def profiled(folder):
     return sum(events.get(k, 0) for k in LAUNCHES), sum(events.get(k, 0) for k in SYNCS)
 
 
+def kinds(folder):
+    """A profiled step's time by kind (progress.Profiler: internals/step_time.py), or None."""
+    path = folder / "profile" / "profile-rank0-kinds.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def profile_table(rows, device):
+    """Where a step's time went, each run's profiled steps (5-8) by kind: ms a step and the share of the step."""
+    from finetune.internals.step_time import KINDS
+
+    lines = [
+        f"{device}; {time.strftime('%Y-%m-%d')}: a step's time by kind, ms (share of the step), over steps 5-8",
+        "",
+        "| shape | run | step ms | " + " | ".join(KINDS) + " | idle |",
+        "|" + "---|" * (len(KINDS) + 4),
+    ]
+    for row in rows:
+        step = row.get("kinds")
+        if step:
+            share = lambda ms, step=step: f"{ms:.3g} ({100 * ms / step['step_ms']:.0f}%)"
+            cells = [row["shape"], row["run"], f"{step['step_ms']:.3g}", *(share(step[k]["ms"]) for k in KINDS)]
+            lines.append("| " + " | ".join([*cells, share(step["idle_ms"])]) + " |")
+    return "\n".join(lines)
+
+
 def planned_peak(model, option, shape, name, dry):
     """plan.py's (peak per GPU, CPU memory) for this run (bytes), or (None, None) for the Trainer's."""
     import plan
@@ -326,8 +354,10 @@ def main(argv=None):
             loss=r["losses"][-1],
         )
         row["launches"], row["syncs"] = profiled(folder)
+        row["kinds"] = kinds(folder)
         row["mfu"] = r.get("mfu")  # ours: over the steady intervals, against the card's peak (progress.RunStats)
     keep(report(rows, f"{device}, {'fp32' if args.dry else 'bf16'}"), out / "GPU.md")
+    keep(profile_table(rows, f"{device}, {'fp32' if args.dry else 'bf16'}"), out / "PROFILE.md")
     return rows
 
 

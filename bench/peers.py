@@ -79,6 +79,9 @@ class Profile(TrainerCallback):
         rank = int(os.environ.get("RANK", "0"))
         self.profiler = progress.Profiler(os.environ.get("TRAIN_PROFILE"), rank)
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.profiler.vocabulary = model.config.vocab_size  # the head's and the loss's kernels (step_time.py)
+
     def on_step_end(self, args, state, control, **kwargs):
         self.profiler.step_done(state.global_step)
 

@@ -17,7 +17,7 @@ import torch
 from . import hardware, long_sequences, loss, models, preference, tracking
 from .base import fail, write_json
 from .evaluation import perplexity
-from .internals import hangs
+from .internals import hangs, step_time
 
 
 @dataclasses.dataclass
@@ -109,7 +109,7 @@ class RunStats:
         self.trackers = tracking.Trackers(self.run.report_to, self.run.output_dir, config.flat(), self.rank)
         self.watch = Watch(self.run.output_dir, config.zero and config.zero.dist_timeout, self.rank, self.ranks,
                            self.trackers)
-        self.profiler = Profiler(os.environ.get("TRAIN_PROFILE"), self.rank)
+        self.profiler = Profiler(os.environ.get("TRAIN_PROFILE"), self.rank, inner.config.vocab_size)
 
     def describe(self):
         share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
@@ -334,18 +334,20 @@ def what_ran(model):
 class Profiler:
     """TRAIN_PROFILE=folder (read once, as the run starts; docs/gpu.md): torch.profiler over steps first+1 ..
     first+steps, each rank's table of where the time went written to folder/profile-rank<r>.txt (bench/BENCHMARKS.md
-    has what it found), and how often each event occurred per step to folder/profile-rank<r>.json (kernel launches,
-    device syncs: bench/gpu.py). Off unless asked."""
+    has what it found), how often each event occurred per step to folder/profile-rank<r>.json (kernel launches,
+    device syncs: bench/gpu.py) and a step's time by kind to folder/profile-rank<r>-kinds.json (internals/step_time.py;
+    `vocabulary`: the model's, whose dimension marks the head's and the loss's kernels). Off unless asked."""
 
-    def __init__(self, folder, rank, first=4, steps=4):
-        self.folder, self.rank, self.first, self.steps, self.active = folder, rank, first, steps, None
+    def __init__(self, folder, rank, vocabulary=None, first=4, steps=4):
+        self.folder, self.rank, self.vocabulary, self.first, self.steps = folder, rank, vocabulary, first, steps
+        self.active = None
 
     def step_done(self, step):
         if not self.folder or step not in (self.first, self.first + self.steps):
             return
         if step == self.first:
             self.active = torch.profiler.profile(activities=profiled(torch.cuda.is_available())[0],
-                                                 record_shapes=False)
+                                                 record_shapes=True)
             self.active.__enter__()
             return
         self.close(step)
@@ -362,6 +364,8 @@ class Profiler:
             events, sort = active.key_averages(), profiled(torch.cuda.is_available())[1]
             (Path(self.folder) / f"profile-rank{self.rank}.txt").write_text(events.table(sort_by=sort, row_limit=25))
             write_json(Path(self.folder) / f"profile-rank{self.rank}.json", {e.key: e.count / steps for e in events})
+            write_json(Path(self.folder) / f"profile-rank{self.rank}-kinds.json",
+                       step_time.of_events(active.events(), steps, self.vocabulary))
 
 
 def profiled(cuda):

@@ -93,6 +93,15 @@ def test_the_gpu_benchmarks_dry_run_has_its_columns_its_ratios_and_its_deadlines
     single, trainer = ([c.strip() for c in line.strip("|").split("|")] for line in table[4:6])
     assert single[3] == "1.00x" and trainer[4] == "1.00x"  # each against itself
     assert single[4] == f"{rows[0]['tok_s'] / rows[1]['tok_s']:.2f}x"
+    # PROFILE.md: each run's step by kind (internals/step_time.py); on a CPU the ops' own times and the rest idle
+    from finetune.internals.step_time import KINDS
+
+    profile = (tmp_path / "PROFILE.md").read_text().splitlines()
+    assert profile[2] == "| shape | run | step ms | " + " | ".join(KINDS) + " | idle |" and len(profile) == 6
+    for r in rows:
+        step = r["kinds"]
+        assert sum(step[k]["ms"] for k in KINDS) + step["idle_ms"] == pytest.approx(step["step_ms"])
+        assert min(step[k]["ms"] for k in ("matmuls", "attention", "head, loss and embedding", "optimizer")) > 0
     stopped = gpu.main(["--dry", "--runs", "ZeRO-3", "--deadline", "1", "--out", str(tmp_path / "late")])
     assert stopped[0]["status"] == "over its 1 s deadline" and "tok_s" not in stopped[0]
     skipped = gpu.main(["--dry", "--runs", "ZeRO-2", "--budget", "5", "--out", str(tmp_path / "none")])
