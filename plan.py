@@ -272,14 +272,14 @@ def plan(args):
     for option in OPTIONS:
         # ZeRO-0 in bf16 autocasts over fp32 weights (zero_config.autocast_at_stage0), but for a 16-bit frozen base
         autocast = option == "ZeRO-0" and args.precision == "bf16" and not args.lora_rank and not bits
-        acts_at = lambda block, autocast=autocast: activations(  # noqa: E731 (this option's autocast)
-            args.batch_size, block, config, args.precision, checkpointing=args.gradient_checkpointing,
+        acts_at = lambda block, batch, autocast=autocast: activations(  # noqa: E731 (this option's autocast)
+            batch, block, config, args.precision, checkpointing=args.gradient_checkpointing,
             loss_chunk=args.loss_chunk, sequence_parallel=args.sequence_parallel, autocast=autocast,
             tiled_mlp=args.tiled_mlp, offload=args.offload_activations)
-        acts = acts_at(args.block_size)
+        acts = acts_at(args.block_size, args.batch_size)
         # --offload-activations: each GPU's process keeps its layers' inputs in this node's memory
-        offloaded = lambda block, autocast=autocast: args.gpus * pinned(layer_inputs_bytes(  # noqa: E731
-            args.batch_size, math.ceil(block / args.sequence_parallel), config, args.precision, autocast),
+        offloaded = lambda block, batch, autocast=autocast: args.gpus * pinned(layer_inputs_bytes(  # noqa: E731
+            batch, math.ceil(block / args.sequence_parallel), config, args.precision, autocast),
             config.get_text_config().num_hidden_layers) if args.offload_activations else 0
         states = {k: v + (constants if k != "cpu" else 0)
                   for k, v in model_states(held, hidden, args.precision, ranks, option, layer=layer,
@@ -297,34 +297,33 @@ def plan(args):
         # QLoRA: transformers loads the whole quantized model onto each rank's GPU (its device_map {"": this GPU},
         # quantizers/quantizer_bnb_4bit.py), skipping zero.Init: ZeRO-3 partitions it only in deepspeed.initialize
         loaded = b * total + constants if bits else 0
-        # (this option's figures, bound)
-        peak_at = lambda block, states=states, transient=transient, loaded=loaded, acts_at=acts_at: max(
-            states["gpu"] + transient + acts_at(block), states["in_step"] - states["cpu"], loaded)
-        peak = peak_at(args.block_size)
+        peak_at = lambda block, batch, states=states, transient=transient, loaded=loaded, acts_at=acts_at: max(
+            states["gpu"] + transient + acts_at(block, batch), states["in_step"] - states["cpu"], loaded)
         budget = args.gpu_memory * GiB * HEADROOM
         # each process loads the model on CPU: fp32, a LoRA base in the run's precision (models.load_causal_lm)
         load = 0 if option.startswith("ZeRO-3") or bits else (b if args.lora_rank else 4) * total * args.gpus
-        cpu_at = lambda block, base=states["cpu"] * args.gpus + load, offloaded=offloaded: base + offloaded(block)
-        cpu = cpu_at(args.block_size)
-        fits_at = lambda block, peak_at=peak_at, cpu_at=cpu_at, budget=budget: peak_at(block) <= budget and (  # noqa: E731
-            args.cpu_memory is None or cpu_at(block) <= args.cpu_memory * GiB)
-        fits = fits_at(args.block_size) and not (bits == 8 and option.startswith("ZeRO-3"))  # refused: ZeRO-3
-        # cannot shard LLM.int8's weights
+        cpu_at = lambda block, batch, base=states["cpu"] * args.gpus + load, off=offloaded: base + off(block, batch)
+        # (its GPU peak, and the host memory where it is given; both grow with the block and the micro-batch)
+        fits_at = lambda block, batch, peak_at=peak_at, cpu_at=cpu_at, budget=budget: peak_at(  # noqa: E731
+            block, batch) <= budget and (args.cpu_memory is None or cpu_at(block, batch) <= args.cpu_memory * GiB)
+        refused = bits == 8 and option.startswith("ZeRO-3")  # ZeRO-3 cannot shard LLM.int8's weights
+        run, sp = (args.block_size, args.batch_size), args.sequence_parallel  # (a block: a multiple of 64 and of sp)
         rows.append({"option": option, "model_states_bytes_per_gpu": states["gpu"],
                      "held_after_step_bytes_per_rank": states["after_step"], "activations_bytes_per_gpu": acts,
-                     "peak_bytes_per_gpu": peak, "cpu_bytes_per_node": cpu, "fits": fits,
-                     "longest_block": longest_block(fits_at, args.sequence_parallel)})
+                     "peak_bytes_per_gpu": peak_at(*run), "cpu_bytes_per_node": cpu_at(*run),
+                     "fits": fits_at(*run) and not refused,
+                     "longest_block": largest(lambda n, f=fits_at: f(n, args.batch_size), 64 * sp // math.gcd(64, sp)),
+                     "largest_batch": 0 if refused else largest(lambda n, f=fits_at: f(args.block_size, n), 1, 2**16)})
     return config, params, rows
 
 
-def longest_block(fits_at, multiple, limit=2**24):
-    """The longest block (tokens, a multiple of 64 and of the sequence-parallel size) that fits (its GPU peak, and
-    the host memory where it is given), or 0: both grow with the block."""
-    step = 64 * multiple // math.gcd(64, multiple)
+def largest(fits, step, limit=2**24):
+    """The largest multiple of `step` up to `limit` that fits (fits() holds up to some value, then no more), or 0:
+    the longest block, the largest micro-batch (MFU grows with it)."""
     low, high = 0, limit // step
     while low < high:
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits_at(middle * step) else (low, middle - 1)
+        low, high = (middle, high) if fits(middle * step) else (low, middle - 1)
     return low * step
 
 
@@ -380,12 +379,12 @@ def main(argv=None):
           f"{' (checkpointed, layer inputs on the host)' if args.offload_activations else ''}"
           f"{' (the MLP in tiles)' if args.tiled_mlp else ''}"
           f"{f', each sequence over {args.sequence_parallel} GPUs' if args.sequence_parallel > 1 else ''}")
-    print(f"{'option':<24}{'model states/GPU':>17}{'peak/GPU':>11}{'CPU/node':>11}  fits  longest block")
+    print(f"{'option':<24}{'model states/GPU':>17}{'peak/GPU':>11}{'CPU/node':>11}  fits  longest block  largest batch")
     for r in rows:
         states, peak, cpu = (r[k] / GiB for k in ("model_states_bytes_per_gpu", "peak_bytes_per_gpu",
                                                    "cpu_bytes_per_node"))
         print(f"{r['option']:<24}{states:>13.1f} GiB{peak:>7.1f} GiB{cpu:>7.0f} GiB  {'yes' if r['fits'] else 'no ':<4}"
-              f"{r['longest_block']:>14,}")
+              f"{r['longest_block']:>14,}{r['largest_batch']:>15,}")
     if best:
         where = " (single-gpu.py on one GPU)" if best == "ZeRO-0" and args.gpus * args.nodes == 1 else ""
         print(f"recommended: {best}{where}, the fastest that fits {HEADROOM:.0%} of the GPU memory")

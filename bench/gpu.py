@@ -6,8 +6,9 @@
 Parts, each its own process with its own deadline (a slow part is a row that says so and the rest go on; a part that
 cannot finish before the whole budget is skipped), in ORDER's order: at OPT-125m's shape, 16 x 512 tokens, bf16:
 single-gpu.py, zero-optimization.py at ZeRO-2 and 3, the HF Trainer's run_clm recipe at ZeRO-2 (bench/peers.py),
-ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU; also in 4 x 2048-token blocks), and with SDPA and the
-documents' mask at both shapes (--attention sdpa, against the varlen kernel auto picks), and with --packing stream
+ZeRO-0; single-gpu.py at Llama-3.2-1B's shape (its MFU; also --compile, at the largest micro-batch plan.py fits on
+this GPU, and in 4 x 2048-token blocks), and with SDPA and the documents' mask at both shapes (--attention sdpa,
+against the varlen kernel auto picks), and with --packing stream
 (no documents kept apart: the goal is isolated packing at 0.97x its tok/s or more); single-gpu.py on chats, eager
 and --compile, and on reviews --compile (TORCH_LOGS=recompiles,graph_breaks in their output.log); then the engine at
 the 1B shape and ZeRO-3 + CPU offload. Each a plain `python` process: a world of one. Before them, attention alone
@@ -49,6 +50,7 @@ RUNS = {  # name -> (script, its flags, plan.py's option, data, its deadline ove
     "single-gpu.py, SDPA with the mask": ("single-gpu.py", ["--attention=sdpa"], "ZeRO-0", "reviews", 1),
     "single-gpu.py, stream packing": ("single-gpu.py", ["--packing=stream"], "ZeRO-0", "reviews", 1),
     "single-gpu.py, blocks 4x as long": ("single-gpu.py", [], "ZeRO-0", "reviews", 1),  # the same tokens a step
+    "single-gpu.py, the plan's largest micro-batch": ("single-gpu.py", [], "ZeRO-0", "reviews", 2),  # MFU grows with it
     "single-gpu.py, chats": ("single-gpu.py", [], "ZeRO-0", "questions", 1),
     "single-gpu.py, chats, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "questions", 2),
     "single-gpu.py, --compile": ("single-gpu.py", ["--compile"], "ZeRO-0", "reviews", 2),
@@ -108,6 +110,7 @@ ORDER = [
     *(("opt-125m", r) for r in ("single-gpu.py", "ZeRO-2", "ZeRO-3", "HF Trainer, run_clm, ZeRO-2", "ZeRO-0")),
     ("llama-3.2-1b", "single-gpu.py"),
     ("llama-3.2-1b", "single-gpu.py, --compile"),  # the 1B step's profile: eager, compiled, ZeRO-2 (PROFILE.md)
+    ("llama-3.2-1b", "single-gpu.py, the plan's largest micro-batch"),
     ("llama-3.2-1b", "single-gpu.py, blocks 4x as long"),
     ("llama-3.2-1b", "single-gpu.py, SDPA with the mask"),
     ("opt-125m", "single-gpu.py, SDPA with the mask"),
@@ -148,9 +151,12 @@ def parts(shapes):
     return [(shape, name) for shape, name in ORDER if shape in shapes]
 
 
-def sizes(shape, name, dry):
-    """(sequences a step, block) of a run at a shape: a run with blocks 4x as long has a quarter of the sequences."""
+def sizes(shape, name, dry, model=None):
+    """(sequences a step, block) of a run at a shape: a run with blocks 4x as long has a quarter of the sequences; a
+    run at the plan's largest micro-batch, the most sequences plan.py fits on this GPU (up to 4x the shape's)."""
     batch, block = (DRY if dry else SHAPES)[shape][:2]
+    if "largest micro-batch" in name:
+        return min(4 * batch, largest_batch(model, name, dry, block)), block
     own = next((int(f.split("=")[1]) for f in RUNS[name][1] if f.startswith("--block-size=")), None)
     if own:  # a long sequence's run: its own block (on a dry run 64x shorter)
         return 1, own // 64 if dry else own
@@ -158,7 +164,7 @@ def sizes(shape, name, dry):
 
 
 def command(shape, name, script, extra, folder, model, dataset, dry):
-    (batch, block), (steps, log_every) = sizes(shape, name, dry), (DRY if dry else SHAPES)[shape][2:4]
+    (batch, block), (steps, log_every) = sizes(shape, name, dry, model), (DRY if dry else SHAPES)[shape][2:4]
     if script == "bench/peers.py":
         flags = [
             f"--model={model}",
@@ -252,19 +258,16 @@ def profile_table(rows, device):
     return "\n".join(lines)
 
 
-def planned_peak(model, option, shape, name, dry):
-    """plan.py's (peak per GPU, CPU memory) for this run (bytes), or (None, None) for the Trainer's."""
+def planned(model, option, name, dry, batch, block, gpu_memory=80):
+    """plan.py's row for an option of a run (its flags: RUNS) at this micro-batch and block."""
     import plan
 
-    if option is None:
-        return None, None
-    batch, block = sizes(shape, name, dry)
     extra = RUNS[name][1]
     args = argparse.Namespace(
         model=str(model),
         gpus=1,
         nodes=1,
-        gpu_memory=80,
+        gpu_memory=gpu_memory,
         cpu_memory=None,
         precision="fp32" if dry else "bf16",
         batch_size=batch,
@@ -279,8 +282,27 @@ def planned_peak(model, option, shape, name, dry):
         load_in_4bit="--load-in-4bit" in extra,
         load_in_8bit=False,
     )
-    row = next(r for r in plan.plan(args)[2] if r["option"] == option)
+    return next(r for r in plan.plan(args)[2] if r["option"] == option)
+
+
+def planned_peak(model, option, shape, name, dry):
+    """plan.py's (peak per GPU, CPU memory) for this run (bytes), or (None, None) for the Trainer's."""
+    if option is None:
+        return None, None
+    row = planned(model, option, name, dry, *sizes(shape, name, dry, model))
     return row["peak_bytes_per_gpu"], row["cpu_bytes_per_node"]
+
+
+def card_memory():
+    """GiB of this GPU's memory."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def largest_batch(model, name, dry, block):
+    """plan.py's largest micro-batch for the run at this block on this GPU (a dry run: 80 GiB, as plan.py's example)."""
+    return planned(model, RUNS[name][2], name, dry, 1, block, 80 if dry else card_memory())["largest_batch"]
 
 
 def main(argv=None):

@@ -139,6 +139,24 @@ def test_sequence_parallelism_divides_the_activations_and_lengthens_the_longest_
         assert 8 * block <= longest[8][option] < 8 * (block + 64), option
 
 
+@pytest.mark.quick
+def test_the_largest_micro_batch_is_the_last_that_fits():
+    """Each option's largest micro-batch at the block (MFU grows with it): planned with it, the run fits; with one
+    sequence more, it does not. Llama-3.2-1B, 512 tokens, one 80 GB GPU, and with the host memory bounded."""
+    for extra in ((), (("cpu_memory", 24),)):
+        rows = plan.plan(plan_args("meta-llama/Llama-3.2-1B", 1, 80, *extra))[2]
+        for row in (r for r in rows if r["option"] in ("ZeRO-0", "ZeRO-2", "ZeRO-3 + CPU offload")):
+            n = row["largest_batch"]
+            at = lambda k, row=row, extra=extra: next(
+                r
+                for r in plan.plan(plan_args("meta-llama/Llama-3.2-1B", 1, 80, ("batch_size", k), *extra))[2]
+                if r["option"] == row["option"]
+            )
+            assert n == 0 or at(n)["fits"], row["option"]
+            assert not at(n + 1)["fits"], row["option"]
+        assert rows[0]["largest_batch"] > 32  # ZeRO-0 (single-gpu.py): 16 x 512 (bench/gpu.sh's shape) uses a third
+
+
 # Peak memory one H100 measured (bench/gpu.sh, 2026-11-27, bf16, 16 x 512 tokens, one GPU; BENCHMARKS.md), GiB
 H100_PEAKS = {
     ("facebook/opt-125m", "ZeRO-0"): 5.06,
