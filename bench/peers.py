@@ -30,7 +30,7 @@ from transformers import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune import base, data, distributed, progress, zero_config  # noqa: E402
+from finetune import base, data, distributed, hardware, progress, zero_config  # noqa: E402
 
 # ZeRO-2 as transformers' DeepSpeed integration documents it (docs: "ZeRO-2 example"), "auto" filled by the Trainer
 HF_ZERO2 = {
@@ -80,7 +80,8 @@ class Profile(TrainerCallback):
         self.profiler = progress.Profiler(os.environ.get("TRAIN_PROFILE"), rank)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.profiler.vocabulary = model.config.vocab_size  # the head's and the loss's kernels (step_time.py)
+        config = getattr(model, "config", None)  # (its vocabulary marks the head's and the loss's kernels)
+        self.profiler.vocabulary = getattr(hardware.text_config(config), "vocab_size", None) if config else None
 
     def on_step_end(self, args, state, control, **kwargs):
         self.profiler.step_done(state.global_step)

@@ -109,7 +109,8 @@ class RunStats:
         self.trackers = tracking.Trackers(self.run.report_to, self.run.output_dir, config.flat(), self.rank)
         self.watch = Watch(self.run.output_dir, config.zero and config.zero.dist_timeout, self.rank, self.ranks,
                            self.trackers)
-        self.profiler = Profiler(os.environ.get("TRAIN_PROFILE"), self.rank, inner.config.vocab_size)
+        vocabulary = hardware.text_config(inner.config).vocab_size  # (Gemma 3's: its text config's)
+        self.profiler = Profiler(os.environ.get("TRAIN_PROFILE"), self.rank, vocabulary)
 
     def describe(self):
         share = f"{self.trainable / 1e6:.2f}M trainable ({100 * self.trainable / self.total:.2f}%)"
@@ -364,8 +365,11 @@ class Profiler:
             events, sort = active.key_averages(), profiled(torch.cuda.is_available())[1]
             (Path(self.folder) / f"profile-rank{self.rank}.txt").write_text(events.table(sort_by=sort, row_limit=25))
             write_json(Path(self.folder) / f"profile-rank{self.rank}.json", {e.key: e.count / steps for e in events})
-            write_json(Path(self.folder) / f"profile-rank{self.rank}-kinds.json",
-                       step_time.of_events(active.events(), steps, self.vocabulary))
+            try:  # (a benchmark's figure: its failure is said in the file, never the run's)
+                kinds = step_time.of_events(active.events(), steps, self.vocabulary)
+            except Exception as e:  # noqa: BLE001
+                kinds = {"error": f"{type(e).__name__}: {e}"}
+            write_json(Path(self.folder) / f"profile-rank{self.rank}-kinds.json", kinds)
 
 
 def profiled(cuda):

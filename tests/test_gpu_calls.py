@@ -55,14 +55,15 @@ def test_a_8b_plan_that_needs_more_host_memory_than_there_is_skips_the_run():
 
 def test_the_1b_run_at_the_plans_largest_micro_batch_takes_what_fits_the_card(monkeypatch):
     """single-gpu.py at Llama-3.2-1B's shape with the micro-batch plan.py fits on the card (MFU grows with it): on an
-    H100's 80 GiB plan.py's largest for ZeRO-0 at 512 tokens, its planned peak within the 90% plan.py allows; on an
-    H200's 141 GiB more fits, held at 4x the shape's 16."""
+    H100's 80 GiB nine tenths of plan.py's largest for ZeRO-0 at 512 tokens (its peaks were 2-7% under the measured),
+    whose one more sequence would pass the 90% plan.py allows; on an H200's 141 GiB more, held at 4x the shape's 16."""
     gpu = load_script("bench/gpu.py")
     name, model = "single-gpu.py, the plan's largest micro-batch", "meta-llama/Llama-3.2-1B"
     monkeypatch.setattr(gpu, "card_memory", lambda: 80.0)
     batch, block = gpu.sizes("llama-3.2-1b", name, False, model)
-    assert block == 512 and batch == gpu.planned(model, "ZeRO-0", name, False, 16, 512)["largest_batch"] > 16
-    peak = gpu.planned_peak(model, "ZeRO-0", "llama-3.2-1b", name, False)[0]
-    assert peak <= 0.9 * 80 * 2**30 < gpu.planned(model, "ZeRO-0", name, False, batch + 1, 512)["peak_bytes_per_gpu"]
+    largest = gpu.planned(model, "ZeRO-0", name, False, 16, 512)["largest_batch"]
+    assert block == 512 and batch == int(0.9 * largest) > 16
+    assert gpu.planned_peak(model, "ZeRO-0", "llama-3.2-1b", name, False)[0] <= 0.9 * 80 * 2**30
+    assert gpu.planned(model, "ZeRO-0", name, False, largest + 1, 512)["peak_bytes_per_gpu"] > 0.9 * 80 * 2**30
     monkeypatch.setattr(gpu, "card_memory", lambda: 141.0)
     assert gpu.sizes("llama-3.2-1b", name, False, model) == (64, 512)

@@ -12,9 +12,9 @@ from finetune.internals import step_time
 VOCABULARY = 128256  # Llama-3.2-1B's
 
 
-def event(name, start, end, device=DeviceType.CPU, shapes=(), annotation=False):
+def event(name, start, end, device=DeviceType.CPU, shapes=(), annotation=False, id=0, linked=0):
     return FunctionEvent(
-        id=0,
+        id=id,
         name=name,
         thread=1,
         start_us=start,
@@ -25,6 +25,7 @@ def event(name, start, end, device=DeviceType.CPU, shapes=(), annotation=False):
         scope=0,
         device_type=device,
         is_user_annotation=annotation,
+        linked_correlation_id=linked,
     )
 
 
@@ -98,38 +99,50 @@ def gpu_profile():
     ]
     clock = 0.0
     for names, shapes, kernel, us, kind in launches:
-        for depth, name in enumerate(names):  # nested ranges on the host
+        for depth, name in enumerate(names):  # nested ranges on the host, each op with its correlation id
+            last = depth == len(names) - 1
             ops.append(
                 event(
                     name,
                     clock + depth,
                     clock + 20 - depth,
-                    shapes=shapes if depth == len(names) - 1 else (),
-                    annotation=name.startswith("Optimizer.step"),
+                    shapes=shapes if last else (),
+                    annotation=name.startswith(("Optimizer.step", "nccl:")),
+                    id=len(ops) + 1,
                 )
             )
         ops[-1].append_kernel(kernel, 0, us)
-        device.append(event(kernel, at, at + us, DeviceType.CUDA))
+        device.append(event(kernel, at, at + us, DeviceType.CUDA, linked=ops[-1].id))
         kinds[kernel] = kind
         clock, at = clock + 25, at + us + 2  # 2 us idle after each kernel
-    # an inductor kernel: a range named as its kernel, around the runtime's launch, which launches no op's kernels
+    # an inductor kernel: a range named as its kernel around the runtime's launch (torch links the kernel to it)
     triton = "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0"
-    ops += [event(triton, clock, clock + 10), event("cuLaunchKernel", clock + 1, clock + 9)]
+    ops += [event(triton, clock, clock + 10, id=100), event("cuLaunchKernel", clock + 1, clock + 9, id=7, linked=100)]
     ops[-2].append_kernel(triton, 0, 8)
-    device.append(event(triton, at, at + 8, DeviceType.CUDA))
+    device.append(event(triton, at, at + 8, DeviceType.CUDA, id=7, linked=100))
     kinds[triton] = "norms and element-wise"
-    # the optimizer's range also comes as a GPU annotation spanning its kernels: neither a kernel nor busy time
+    # a kernel no op launched (a library's own): its name alone
+    device.append(event("Memset (Device)", at + 10, at + 11, DeviceType.CUDA))
+    kinds["Memset (Device)"] = "norms and element-wise"
+    # the optimizer's range also comes as a GPU annotation spanning its kernels, linked to the range: no kernel
     step = next(e for e in ops if e.name.startswith("Optimizer.step"))
     step.append_kernel(step.name, 0, 30)
     adam = next(d for d in device if "Adam" in d.name)
-    device.append(event(step.name, adam.time_range.start - 5, adam.time_range.end + 5, DeviceType.CUDA))
+    start, end = adam.time_range.start - 5, adam.time_range.end + 5
+    device.append(event(step.name, start, end, DeviceType.CUDA, annotation=True, linked=step.id))
     events = EventList(ops + device)
     events._populate_cpu_children()  # torch's own tree of the host's ops (what profile.events() has done)
     return events, kinds
 
 
-def test_a_gpu_steps_kernels_go_to_their_kinds_and_idle_is_the_gaps_between_them():
+@pytest.mark.parametrize("linked", [True, False], ids=["linked", "by-name-and-duration"])
+def test_a_gpu_steps_kernels_go_to_their_kinds_and_idle_is_the_gaps_between_them(linked):
+    """Each device event once, by the op that launched it (found by torch's linked correlation id, or where a torch
+    has none by the op's .kernels), the annotation neither a kernel nor busy time; idle: the gaps."""
     events, kinds = gpu_profile()
+    if not linked:
+        for e in events:
+            e.linked_correlation_id = 0
     found = step_time.of_events(events, steps=2, vocabulary=VOCABULARY)
     expected = {k: {"ms": 0.0, "kernels": 0.0} for k in step_time.KINDS}
     for e in events:
@@ -139,7 +152,7 @@ def test_a_gpu_steps_kernels_go_to_their_kinds_and_idle_is_the_gaps_between_them
     for k in step_time.KINDS:
         assert found[k] == pytest.approx(expected[k], abs=1e-12), k
     busy = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA and e.name in kinds)
-    gaps = 2.0 * (len(kinds) - 1)  # 2 us after each kernel but the last; the annotation's span is not busy time
+    gaps = 2.0 * (len(kinds) - 2) + 2.0  # 2 us after each kernel but the last two, then 2 us to the memset
     assert found["idle_ms"] == pytest.approx(gaps / 1e3 / 2) and found["step_ms"] == pytest.approx((busy + gaps) / 2e3)
     assert sum(found[k]["kernels"] for k in step_time.KINDS) == len(kinds) / 2  # the annotation is no kernel
 

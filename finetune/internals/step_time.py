@@ -13,7 +13,7 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ad
               "aten::_scaled_mm", "aten::addmv", "aten::mv"}
 MATMUL_KERNELS = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|^triton_tem_", re.IGNORECASE)  # cuBLAS', inductor's mm
 ATTENTION = re.compile(r"scaled_dot_product|flash|fmha|efficient_attention|varlen|attention", re.IGNORECASE)
-COMMUNICATION = re.compile(r"nccl|c10d::|gloo|all_?reduce|all_?gather|reduce_scatter|broadcast", re.IGNORECASE)
+COMMUNICATION = re.compile(r"nccl|c10d::|gloo|record_param_comms", re.IGNORECASE)
 VOCABULARY_OPS = re.compile(r"embedding|cross_entropy|nll_loss|log_softmax|logsumexp", re.IGNORECASE)
 
 
@@ -57,10 +57,6 @@ def _context(event):
     return names
 
 
-def _launches_below(event):
-    return any(child.kernels or _launches_below(child) for child in event.cpu_children)
-
-
 def _covered(intervals):
     """(microseconds covered by at least one interval, from the first start to the last end)."""
     total, reach, first = 0.0, float("-inf"), None
@@ -73,26 +69,33 @@ def _covered(intervals):
 
 
 def of_events(events, steps, vocabulary):
-    """breakdown() of torch.profiler's FunctionEvents (profile.events()). On a GPU, torch gives each op the kernels it
-    launched (FunctionEvent.kernels: name, duration; matched by CUPTI's correlation, torch/autograd/profiler.py
-    _parse_kineto_results) and lists the device's events with their times. A record_function range's GPU annotation
-    comes as a "kernel" of the range named as the range, spanning the kernels its ops launched: it is left out (an
-    inductor kernel's range bears its kernel's name too, but launches no op's kernels below it)."""
+    """breakdown() of torch.profiler's FunctionEvents (profile.events()). On a GPU each device event (kernel, memcpy,
+    memset) goes to the op that launched it: torch links the two by CUPTI's correlation (torch/autograd/profiler.py
+    _parse_kineto_results: the device event's linked_correlation_id is the op's id, and the op lists it in .kernels,
+    by name and duration, which is how it is found where the first is missing); one launched by no op is classified
+    by its name alone. A record_function range's GPU annotation, a device event spanning its range's kernels, is no
+    kernel (is_user_annotation, as torch's own tables leave it out of device time)."""
     from torch.autograd import DeviceType
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    device = [e for e in events if e.device_type != DeviceType.CPU]
+    device = [e for e in events if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
     if not device:  # a CPU: each op's own time (without the ops it calls), a range's (Python's) left out
         ops = [e for e in cpu if not getattr(e, "is_user_annotation", False)]
         kernels = [(e.name, _context(e), e.input_shapes, e.self_cpu_time_total) for e in ops]
         span = max((e.time_range.end for e in ops), default=0) - min((e.time_range.start for e in ops), default=0)
         return breakdown(kernels, sum(k[3] for k in kernels), span, steps, vocabulary)
-    kernels, annotations = [], set()
+    by_id, by_kernel = {}, {}  # the ops that launched kernels, by their id and by (kernel, duration)
     for e in cpu:
-        for k in e.kernels:
-            if k.name == e.name and _launches_below(e):
-                annotations.add(k.name)
-            else:
-                kernels.append((k.name, _context(e), e.input_shapes, k.duration))
-    busy, span = _covered([(d.time_range.start, d.time_range.end) for d in device if d.name not in annotations])
+        if e.kernels:
+            by_id[e.id] = e
+            for k in e.kernels:
+                by_kernel.setdefault((k.name, k.duration), []).append(e)
+    kernels = []
+    for d in device:
+        us = d.time_range.elapsed_us()
+        op = by_id.get(getattr(d, "linked_correlation_id", 0) or None)
+        if op is None and by_kernel.get((d.name, us)):
+            op = by_kernel[(d.name, us)].pop(0)
+        kernels.append((d.name, _context(op) if op else [], op.input_shapes if op else [], us))
+    busy, span = _covered([(d.time_range.start, d.time_range.end) for d in device])
     return breakdown(kernels, busy, span, steps, vocabulary)
