@@ -79,6 +79,19 @@ def job(slurm, job_id):
     return dict(re.findall(r"(\w+)=(\S*)", line))
 
 
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+)
+
+
 def wait_for(condition, what, timeout=300):
     deadline = time.time() + timeout
     while not condition():
@@ -101,20 +114,17 @@ def test_a_signalled_job_checkpoints_requeues_and_resumes_to_the_uninterrupted_r
     # the fresh run waits after step 6 until the signal comes (FINETUNE_TEST_HOLD, tests/hooks): its 54 steps left
     # take seconds, less than a signal can take through slurmctld and slurmd on a busy machine
     job_id = submit(slurm, launcher, log, long_run(tiny, out), FINETUNE_TEST_HOLD="6", PYTHONPATH=TEST_HOOKS)
+    # (a state between PENDING and RUNNING, CONFIGURING, is no end: taken for one, the signal went to a job that had
+    # no step yet and the run held at step 6 for good)
     wait_for(
-        lambda: (
-            (out / "checkpoints" / "latest").exists()
-            or job(slurm, job_id)["JobState"] != "RUNNING"
-            and job(slurm, job_id)["JobState"] != "PENDING"
-        ),
-        "first checkpoint",
+        lambda: (out / "checkpoints" / "latest").exists() or job(slurm, job_id)["JobState"] in ENDED, "first checkpoint"
     )
     assert job(slurm, job_id)["JobState"] == "RUNNING", log.read_text()[-3000:]
     subprocess.run(["scancel", *signal_form, job_id], env=slurm, check=True)
     # SLURM starts a requeued job again once the credential of its last run has expired: 120 s by default, 5 s on
     # the test cluster (its cred_expire); `scontrol update StartTime=now` cannot skip it (the job fails: "Job
     # credential revoked")
-    wait_for(lambda: job(slurm, job_id)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "end of the job")
+    wait_for(lambda: job(slurm, job_id)["JobState"] in ENDED, "end of the job")
     said = log.read_text()
     state = job(slurm, job_id)
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", said[-4000:]
@@ -139,7 +149,7 @@ def test_a_failed_job_is_not_requeued_and_one_node_needs_no_ssh(slurm, tmp_path)
     log = tmp_path / "slurm.log"
     env = {**slurm, "PATH": f"{tmp_path / 'bin'}:{slurm['PATH']}"}
     job_id = submit(env, "deepspeed", log, [f"--output-dir={tmp_path / 'run'}", f"--model={tmp_path / 'none'}"])
-    wait_for(lambda: job(slurm, job_id)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"), "end of the job")
+    wait_for(lambda: job(slurm, job_id)["JobState"] in ENDED, "end of the job")
     state, said = job(slurm, job_id), log.read_text()
     assert state["JobState"] == "FAILED" and state["Restarts"] == "0", said[-3000:]
     assert "error: " in said and "requeue" not in said and "ssh was called" not in said, said[-3000:]
