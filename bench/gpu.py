@@ -259,7 +259,7 @@ def profile_table(rows, device):
     return "\n".join(lines)
 
 
-def planned(model, option, name, dry, batch, block, gpu_memory=80):
+def planned(model, option, name, dry, *, batch, block, gpu_memory=80):
     """plan.py's row for an option of a run (its flags: RUNS) at this micro-batch and block."""
     import plan
 
@@ -290,7 +290,8 @@ def planned_peak(model, option, shape, name, dry):
     """plan.py's (peak per GPU, CPU memory) for this run (bytes), or (None, None) for the Trainer's."""
     if option is None:
         return None, None
-    row = planned(model, option, name, dry, *sizes(shape, name, dry, model))
+    batch, block = sizes(shape, name, dry, model)
+    row = planned(model, option, name, dry, batch=batch, block=block)
     return row["peak_bytes_per_gpu"], row["cpu_bytes_per_node"]
 
 
@@ -303,7 +304,8 @@ def card_memory():
 
 def largest_batch(model, name, dry, block):
     """plan.py's largest micro-batch for the run at this block on this GPU (a dry run: 80 GiB, as plan.py's example)."""
-    return planned(model, RUNS[name][2], name, dry, 1, block, 80 if dry else card_memory())["largest_batch"]
+    memory = 80 if dry else card_memory()
+    return planned(model, RUNS[name][2], name, dry, batch=1, block=block, gpu_memory=memory)["largest_batch"]
 
 
 def main(argv=None):

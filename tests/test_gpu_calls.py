@@ -61,9 +61,11 @@ def test_the_1b_run_at_the_plans_largest_micro_batch_takes_what_fits_the_card(mo
     name, model = "single-gpu.py, the plan's largest micro-batch", "meta-llama/Llama-3.2-1B"
     monkeypatch.setattr(gpu, "card_memory", lambda: 80.0)
     batch, block = gpu.sizes("llama-3.2-1b", name, False, model)
-    largest = gpu.planned(model, "ZeRO-0", name, False, 16, 512)["largest_batch"]
+    largest = gpu.planned(model, "ZeRO-0", name, False, batch=16, block=512)["largest_batch"]
     assert block == 512 and batch == int(0.9 * largest) > 16
     assert gpu.planned_peak(model, "ZeRO-0", "llama-3.2-1b", name, False)[0] <= 0.9 * 80 * 2**30
-    assert gpu.planned(model, "ZeRO-0", name, False, largest + 1, 512)["peak_bytes_per_gpu"] > 0.9 * 80 * 2**30
+    assert (
+        gpu.planned(model, "ZeRO-0", name, False, batch=largest + 1, block=512)["peak_bytes_per_gpu"] > 0.9 * 80 * 2**30
+    )
     monkeypatch.setattr(gpu, "card_memory", lambda: 141.0)
     assert gpu.sizes("llama-3.2-1b", name, False, model) == (64, 512)
