@@ -4,6 +4,7 @@ runs, and a real CPU profile of a training step."""
 
 import pytest
 import torch
+from helpers import SIZES
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import EventList, FunctionEvent
 
@@ -166,15 +167,7 @@ def test_a_cpu_profile_of_training_steps_gives_each_op_its_kind():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
+    config = LlamaConfig(vocab_size=96, attn_implementation="sdpa", **SIZES)  # the suite's tiny sizes, 2 layers
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     ids = torch.randint(0, 96, (2, 24))
