@@ -95,14 +95,14 @@ def classification_metrics(logits, labels, num_classes):
             "accuracy_then_loss": accuracy - min(cross_entropy, 100.0) / (101.0 * len(labels))}
 
 
-def trainer_deepspeed_config(path, device, hidden_size, train):
+def trainer_deepspeed_config(path, device, hidden_size, train, mend_choice="all"):
     """The JSON for the Trainer, which fills the "auto" values its arguments set, but not the buckets and overlap_comm
     (from the hardware) nor the optimizer (trainer_optimizer); and the TrainingArguments its AdamW section sets.
-    `train`: flags.Train."""
+    `train`: flags.Train; `mend_choice`: --mends."""
     if not path:
         return None, {}
     config = zero_config.choose_optimizer(zero_config.read_config(path), device.type == "cuda")
-    mends.before_engine(config)  # what DeepSpeed asks as the Trainer builds the engine, asked once
+    mends.before_engine(config, mend_choice)  # what DeepSpeed asks as the Trainer builds the engine, asked once
     section = config.get("zero_optimization", {})
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tuned = zero_config.tuned_values(section.get("stage", 0), hidden_size, device.type == "cuda", world_size)
@@ -191,6 +191,19 @@ def check_trainer_resume(folder, world_size, deepspeed, rank):
     return Path(last)
 
 
+class MendEngine(TrainerCallback):
+    """DeepSpeed's defects and slow paths mended (--mends; finetune/internals/mends.py) on the engine the Trainer
+    builds, as zero-optimization.py mends its own: once it exists (a resume's checkpoint loaded), before the first
+    step. `mended` holds what changed, undone at the end."""
+
+    def __init__(self, engine, choice, say):
+        self.engine, self.choice, self.say, self.mended = engine, choice, say, None  # engine(): the Trainer's
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.engine() is not None and self.mended is None:
+            self.mended = mends.mend(self.engine(), self.choice, self.say)
+
+
 class StopOnSignal(TrainerCallback):
     """SIGTERM or SIGUSR1 on any rank (training.Stop): after the step in flight the Trainer saves a checkpoint and
     stops training, on every rank; main() then exits 75, to be resumed (`--resume auto`)."""
@@ -216,7 +229,7 @@ def parse_args(argv=None):
     # --deepspeed: plain PyTorch. A recipe to keep: --config FILE (this run's run.json replays it)
     flags.add_flags(p, flags.Data.taking("dataset", "text_column"), flags.Classifier,
                     flags.Model.taking("model", "trust_remote_code", "precision"), flags.Train.taking(*TRAIN),
-                    flags.Run.taking(*RUN), flags.Zero.taking("deepspeed", "dist_timeout"), dataset="imdb",
+                    flags.Run.taking(*RUN), flags.Zero.taking("deepspeed", "dist_timeout", "mends"), dataset="imdb",
                     text_column="text", model="distilbert-base-uncased", batch_size=16, lr=5e-5, weight_decay=0.01,
                     epochs=2, output_dir="out/classification", deepspeed=None)
     return flags.parse(p, argv, demo_defaults=demo.classification_defaults)
@@ -245,7 +258,7 @@ def main(argv=None):
             base.fail(f"--{name.replace('_', '-')} must be positive, got {value}")
     remote = {"trust_remote_code": model_flags.trust_remote_code}  # off unless asked: it runs the model repo's code
     hidden_size = models.load_pretrained(AutoConfig, model_flags.model, **remote).hidden_size
-    ds_config, optimizer_args = trainer_deepspeed_config(ds_path, device, hidden_size, train_flags)
+    ds_config, optimizer_args = trainer_deepspeed_config(ds_path, device, hidden_size, train_flags, config.zero.mends)
     if run_flags.resume == "auto":  # one command line for the first submission and every requeue
         done = complete_checkpoints(Path(run_flags.output_dir) / "checkpoints")
         config = config.resolved(resume="newest" if done and not run_flags.overwrite else None)
@@ -275,6 +288,7 @@ def main(argv=None):
         eval_strategy="epoch", save_strategy="epoch", save_total_limit=2, load_best_model_at_end=True,
         metric_for_best_model="accuracy_then_loss", greater_is_better=True,  # of equal accuracies, the lower loss
         logging_steps=10, report_to=list(run_flags.report_to), deepspeed=ds_config,
+        logging_nan_inf_filter=False,  # (its check reads the loss on the host each step; a NaN is then logged as one)
         disable_tqdm=not run_flags.verbose, log_level="warning" if run_flags.verbose else "error",
         use_cpu=device.type == "cpu",  # on a machine without CUDA; without it a distributed launch miscounts ranks
         dataloader_pin_memory=device.type == "cuda", ddp_timeout=config.zero.dist_timeout,
@@ -296,6 +310,7 @@ def main(argv=None):
     if resume:
         say(f"resuming from {resume.name}")
     stop = StopOnSignal(training.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
+    mend = MendEngine(lambda: trainer.deepspeed, config.zero.mends, say)  # DeepSpeed's defects, slow paths (--mends)
     if rewards:  # a reward model: Bradley-Terry over pairs, a batch's chosen and rejected texts padded together
         trainer_class = functools.partial(reward.RewardTrainer, center=config.classifier.center_rewards_coefficient)
         collator, scores = reward.PairCollator(tokenizer), lambda p: reward.reward_metrics(p.predictions)
@@ -304,7 +319,7 @@ def main(argv=None):
         scores = lambda p: classification_metrics(p.predictions, p.label_ids, len(names))
     trainer = trainer_class(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                             processing_class=tokenizer, data_collator=collator, compute_metrics=scores,
-                            callbacks=[EpochLine(say), stop])
+                            callbacks=[EpochLine(say), stop, mend])
     if not run_flags.verbose:
         trainer.remove_callback(PrinterCallback)  # a dict of figures every logging_steps: EpochLine instead
 
@@ -332,6 +347,8 @@ def main(argv=None):
         for example in examples:  # a reward model: the first eval pair's chosen and rejected texts, and their rewards
             answer = classify(example, **({"function_to_apply": "none"} if rewards else {}))[0]  # (a reward: raw)
             say(f"{answer['label']:>12} ({answer['score']:.2f})  {example[:70]!r}")
+    if mend.mended:
+        mend.mended.undo()  # DeepSpeed's own functions back, for a next run in this process
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # leave the group cleanly: no abort at exit
     return results

@@ -6,7 +6,8 @@ an engine, and what a CPU shows exactly.
     python3 bench/host_cost.py --where ZeRO-2   # where one run's ops and reads come from, by source line
 
 Per optimizer step, after three steps (the steady state), of single-gpu.py and zero-optimization.py at each ZeRO
-stage on a 12-layer narrow OPT (OPT-125m's 196 tensors in 0.6M parameters: the counts are the engine's, not the
+stage (and of the HF Trainer's ZeRO-2 step, sequence_classification.py's, with DeepSpeed's mends and without) on a
+12-layer narrow OPT (OPT-125m's 196 tensors in 0.6M parameters: the counts are the engine's, not the
 model's), 4 sequences of 64 tokens a rank:
 - ops: the aten operations dispatched; kernels: those that are not views or allocations (each a kernel launch on a
   GPU, about 5-10 us of host time each);
@@ -52,6 +53,12 @@ RUNS = {  # name -> (script, its flags)
     "ZeRO-3 + CPU offload": (
         "zero-optimization.py",
         ["--zero-stage=3", "--offload=cpu", "--deepspeed=ds_config_zero3.json"],
+    ),
+    # the HF Trainer's engine (the classifier on the same model, a one-output head), mended as ours and not
+    "Trainer ZeRO-2": ("sequence_classification.py", ["--deepspeed=ds_config_zero2.json"]),
+    "Trainer ZeRO-2, --mends none": (
+        "sequence_classification.py",
+        ["--deepspeed=ds_config_zero2.json", "--mends=none"],
     ),
 }
 COUNTED_STEP = 3  # steps 1-3 warm up (the optimizer's state, the engine's first-step work); step 4 is counted,
@@ -160,6 +167,19 @@ def assets(folder):
 
 def flags(name, precision, files, out):
     script, extra = RUNS[name]
+    if script == "sequence_classification.py":  # the reviews' star ratings, 4 texts a rank a step: 6 steps or more
+        # (its epochs: of 380 texts, on up to 2 ranks)
+        return script, [
+            f"--model={files['model']}",
+            f"--dataset={files['data']}",
+            "--max-length=64",
+            "--batch-size=4",
+            f"--epochs={(COUNTED_STEP + 3) * 4 * 2 / 380}",
+            f"--precision={precision}",
+            f"--output-dir={out}",
+            "--overwrite",
+            *extra,
+        ]
     return script, [
         f"--model={files['model']}",
         f"--dataset={files['data']}",
@@ -188,8 +208,10 @@ def load_script(name):
 def count(script, argv, where=False, step=COUNTED_STEP):
     """Run script's main(argv) in this process and count one steady step: from the end of step `step` to the end of
     the next (what the loop does after a step, its checks, then a whole step); then the Python calls of the step
-    after it."""
-    counter, end_step = HostWork(where), progress.RunStats.end_step
+    after it. A step ends at the scripts' RunStats.end_step, or the HF Trainer's on_step_end."""
+    from transformers.trainer_callback import CallbackHandler
+
+    counter, end_step, step_end = HostWork(where), progress.RunStats.end_step, CallbackHandler.on_step_end
     active, calls, files = contextlib.ExitStack(), [0], set()
 
     def call(frame, event, arg):
@@ -197,24 +219,32 @@ def count(script, argv, where=False, step=COUNTED_STEP):
             calls[0] += 1
             files.add(frame.f_code.co_filename)
 
-    def counting_end_step(stats, *args, **kwargs):
-        end_step(stats, *args, **kwargs)
-        if stats.step == step:
+    def ended(done):  # the step that just ended
+        if done == step:
             active.enter_context(counter.counting())
-        elif stats.step == step + 1:
+        elif done == step + 1:
             active.close()
             sys.setprofile(call)
-        elif stats.step == step + 2:
+        elif done == step + 2:
             sys.setprofile(None)
 
-    progress.RunStats.end_step = counting_end_step
+    def counting_end_step(stats, *args, **kwargs):
+        end_step(stats, *args, **kwargs)
+        ended(stats.step)
+
+    def counting_step_end(handler, args, state, control):
+        control = step_end(handler, args, state, control)
+        ended(state.global_step)
+        return control
+
+    progress.RunStats.end_step, CallbackHandler.on_step_end = counting_end_step, counting_step_end
     try:
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             load_script(script).main(argv)
     finally:
         active.close()
         sys.setprofile(None)
-        progress.RunStats.end_step = end_step
+        progress.RunStats.end_step, CallbackHandler.on_step_end = end_step, step_end
     package = ROOT / "finetune"
     modules = sorted(str(Path(f).relative_to(package)) for f in files if Path(f).is_relative_to(package))
     return {**counter.result(), "calls": calls[0], "modules": modules}
