@@ -313,7 +313,10 @@ def main(argv=None):
     mend = MendEngine(lambda: trainer.deepspeed, config.zero.mends, say)  # DeepSpeed's defects, slow paths (--mends)
     if rewards:  # a reward model: Bradley-Terry over pairs, a batch's chosen and rejected texts padded together
         trainer_class = functools.partial(reward.RewardTrainer, center=config.classifier.center_rewards_coefficient)
-        collator, scores = reward.PairCollator(tokenizer), lambda p: reward.reward_metrics(p.predictions)
+        layout = reward.one_row_layout(model, config.classifier.pair_layout)  # a decoder's: a pair a row
+        collator = reward.OneRowCollator(tokenizer.pad_token_id, model.config, layout) if layout else \
+            reward.PairCollator(tokenizer)
+        scores = lambda p: reward.reward_metrics(p.predictions)
     else:
         trainer_class, collator = Trainer, DataCollatorWithPadding(tokenizer)
         scores = lambda p: classification_metrics(p.predictions, p.label_ids, len(names))

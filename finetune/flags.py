@@ -160,6 +160,9 @@ class Classifier(Piece):
     max_length: int = flag(512, "tokens per text; longer texts are cut (a reward model's pairs: left out, as TRL does)")
     center_rewards_coefficient: float = flag(0.0, "reward models: add this times the mean squared sum of a pair's "
                                              "rewards (TRL's; 0.01 recommended), so rewards center on 0")
+    pair_layout: str = flag("one-row", "reward models on a decoder: one-row: a pair in one row, the tokens its texts "
+                            "share (the prompt) computed once; apart: each text padded in a row of its own, as TRL "
+                            "(an encoder's are always apart)", choices=["one-row", "apart"])
 
 
 CAUSAL = (Data, Model, Train, Run)  # what single-gpu.py takes (zero-optimization.py: and Zero)

@@ -6,13 +6,18 @@ is not padding (its pad token set: the EOS where the tokenizer has none, as TRL 
 
 A pair's two texts are the prompt followed by each answer (strings, each ending with the EOS as TRL adds it; or
 messages, rendered with the chat template); a pair whose longer text passes --max-length is left out and counted (as
-TRL filters it: a cut answer would be scored on what it did not say)."""
+TRL filters it: a cut answer would be scored on what it did not say).
+
+A decoder scores a pair in one row (--pair-layout one-row): the tokens the two texts share (the prompt) once, then
+the rest of each text, which sees those and itself at the positions it has alone. Its last token's reward is then the
+one the text gets alone, and the prompt is computed once, not twice (TRL pads each text in a row of its own)."""
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
 from .base import fail
+from .blocks import attention_layout, document_masks
 from .preference import without_dropout
 
 COLUMNS = ("chosen", "rejected")
@@ -70,6 +75,65 @@ class PairCollator:
         return batch
 
 
+def shared_prefix(chosen, rejected):
+    """How many leading tokens a pair's two texts share, each keeping at least its last token (whose reward counts)."""
+    n = min(len(chosen), len(rejected)) - 1
+    differ = np.flatnonzero(np.asarray(chosen[:n]) != np.asarray(rejected[:n]))
+    return int(differ[0]) if len(differ) else max(n, 0)
+
+
+def pooled_token(ids, pad_id):
+    """The token a decoder's head scores a text at, as transformers finds it alone: the last that is not padding (where
+    the EOS pads, as GPT-2's, the one before a final EOS)."""
+    kept = np.flatnonzero(np.asarray(ids) != pad_id)
+    return int(kept[-1]) if len(kept) else 0
+
+
+def one_row_layout(model, pair_layout):
+    """The one-row layout's attention (attention_layout's "bool" or "additive"), or None where the pairs' texts are
+    padded apart: an encoder (it pools its first token, which sees the whole text), --pair-layout apart, or
+    FlashAttention (no 4-D mask)."""
+    layout = attention_layout(getattr(model.config, "_attn_implementation", None))
+    head = getattr(model, "score", None)  # a decoder's head, applied to every token before it pools the last one
+    return layout if pair_layout == "one-row" and isinstance(head, torch.nn.Linear) and layout != "varlen" else None
+
+
+class OneRowCollator:
+    """A batch of pairs, a pair a row: the tokens its two texts share (shared_prefix) once, then the rest of the
+    chosen text, then the rest of the rejected one, which attends to the shared tokens and to itself, not to the chosen
+    text, at the positions it has alone; padding attends to itself. `ends`: where each row's (chosen, rejected)
+    texts are scored (pooled_token, in the row). The mask is 4-D (blocks.document_masks: bool for SDPA, additive for
+    eager attention, the model's sliding window)."""
+
+    def __init__(self, pad_id, model_config, layout):
+        self.pad_id, self.model_config, self.layout = pad_id, model_config, layout
+
+    def __call__(self, pairs):
+        parts = []
+        for pair in pairs:
+            shared = shared_prefix(pair["chosen_ids"], pair["rejected_ids"])
+            parts.append((pair["chosen_ids"][:shared], pair["chosen_ids"][shared:], pair["rejected_ids"][shared:]))
+        width = max(sum(map(len, p)) for p in parts)
+        ids = np.full((len(parts), width), self.pad_id, dtype=np.int64)
+        positions, segments = np.zeros_like(ids), np.full_like(ids, 3)  # segments: 0 shared, 1 chosen, 2 rejected
+        ends = np.zeros((len(parts), 2), dtype=np.int64)
+        for row, (shared, chosen, rejected) in enumerate(parts):
+            k, c, r = len(shared), len(chosen), len(rejected)
+            ids[row, :k + c + r] = shared + chosen + rejected
+            positions[row, :k + c + r] = np.r_[np.arange(k + c), np.arange(k, k + r)]
+            segments[row, :k + c + r] = np.repeat([0, 1, 2], [k, c, r])
+            scored = pooled_token(shared + chosen, self.pad_id), pooled_token(shared + rejected, self.pad_id)
+            ends[row] = scored[0], scored[1] + (c if scored[1] >= k else 0)
+        segments, positions = torch.from_numpy(segments), torch.from_numpy(positions)
+        query, key = segments[:, None, :, None], segments[:, None, None, :]
+        same = ((query == key) | (key == 0) & (query != 3)) & torch.ones(width, width, dtype=torch.bool).tril()
+        batch = {"input_ids": torch.from_numpy(ids), "position_ids": positions, "ends": torch.from_numpy(ends),
+                 "attention_mask": document_masks(same, self.model_config, self.layout, positions)}
+        if "margin" in pairs[0]:
+            batch["margin"] = torch.tensor([float(p["margin"]) for p in pairs])
+        return batch
+
+
 def bradley_terry(chosen, rejected, margin=None, center=0.0):
     """TRL's reward loss: the mean of -log sigmoid(r_chosen - r_rejected - margin), plus `center` times the mean of
     (r_chosen + r_rejected)^2 (Eisenstein et al. 2023: rewards near 0 on average; TRL's center_rewards_coefficient)."""
@@ -78,19 +142,30 @@ def bradley_terry(chosen, rejected, margin=None, center=0.0):
 
 
 class RewardTrainer(Trainer):
-    """The HF Trainer with the Bradley-Terry loss over a batch's pairs (PairCollator's layout); its predictions, each
-    pair's (chosen, rejected) rewards, for reward_metrics. The model trains without dropout, as TRL's RewardTrainer
-    does by default (DistilBERT's head drops 20% of its input): a pair's two rewards are then of the same function,
-    and one process and any number of ranks train alike."""
+    """The HF Trainer with the Bradley-Terry loss over a batch's pairs (PairCollator's or OneRowCollator's layout);
+    its predictions, each pair's (chosen, rejected) rewards, for reward_metrics. The model trains without dropout, as
+    TRL's RewardTrainer does by default (DistilBERT's head drops 20% of its input): a pair's two rewards are then of
+    the same function, and one process and any number of ranks train alike. In the one-row layout the head's output
+    at every token is kept as the forward makes it (a hook on the head: the model itself pools one token a row)."""
 
     def __init__(self, *args, center=0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.center = center
+        self.center, self.per_token, self.keeping = center, None, None
         without_dropout(self.model)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        margin = inputs.pop("margin", None)
-        chosen, rejected = model(**inputs).logits.squeeze(-1).float().chunk(2)
+        margin, ends = inputs.pop("margin", None), inputs.pop("ends", None)
+        if ends is not None and self.keeping is None:  # hooked at the first forward, after DeepSpeed's hooks: under
+            # ZeRO-3 its hook wraps the head's output so that the backward gathers the head's weight first
+            keep = lambda module, args, output: setattr(self, "per_token", output)
+            self.keeping = self.model.score.register_forward_hook(keep)
+        logits = model(**inputs).logits
+        if ends is None:  # a batch's chosen texts, then its rejected ones
+            chosen, rejected = logits.squeeze(-1).float().chunk(2)
+        else:  # each row's two last tokens
+            rows = torch.arange(len(ends), device=ends.device)[:, None]
+            chosen, rejected = self.per_token[rows, ends].squeeze(-1).float().unbind(1)
+            self.per_token = None
         loss = bradley_terry(chosen, rejected, margin, self.center)
         return (loss, torch.stack([chosen, rejected], dim=1)) if return_outputs else loss
 

@@ -5,6 +5,7 @@ one process, the saved model behind pipeline("text-classification")."""
 
 import json
 
+import datasets
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from finetune import reward
 from finetune.internals import demo
 
 classification = load_script("sequence_classification.py")
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=400)
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +37,9 @@ def rewards(tmp_path_factory):
     demo.make_demo_lm(root / "opt", tokenizer, hidden=32, layers=2, heads=2, positions=128)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=400)
     families = {
-        "llama": dict(model_type="llama", num_key_value_heads=2, max_position_embeddings=128, **small),
-        "qwen2": dict(model_type="qwen2", num_key_value_heads=2, max_position_embeddings=128, **small),
+        "llama": dict(model_type="llama", num_key_value_heads=2, max_position_embeddings=128, **SMALL),
+        "qwen2": dict(model_type="qwen2", num_key_value_heads=2, max_position_embeddings=128, **SMALL),
         "gpt2": dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=2, n_positions=128, vocab_size=400),
     }
     for name, settings in families.items():
@@ -106,6 +107,80 @@ def test_the_bradley_terry_loss_is_trls_formula():
     assert reward.bradley_terry(chosen, rejected, margin, 0.01).item() == pytest.approx(centered.item(), abs=1e-12)
 
 
+@pytest.mark.parametrize(
+    "family, attention",
+    [("opt", "sdpa"), ("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"), ("qwen2", "sdpa"), ("mistral", "sdpa")],
+)
+def test_a_pair_in_one_row_scores_each_text_as_alone(rewards, tmp_path, family, attention):
+    """The one-row layout (a decoder's default): each pair's shared tokens once, then the rest of each text. Through
+    RewardTrainer.compute_loss, each text's reward is the stock model's on that text alone in float64 (1e-5; fp32
+    rounding), for pairs of different lengths (padding), answers of which one starts the other, the eager
+    attention's additive mask and Mistral's sliding window (8 tokens: shorter than the texts)."""
+    from transformers import AutoConfig, TrainingArguments
+
+    folder = rewards / family
+    if family == "mistral":  # a sliding window shorter than every text: the mask must window each text as alone
+        config = AutoConfig.for_model(
+            "mistral",
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            sliding_window=8,
+            bos_token_id=2,
+            eos_token_id=2,
+            num_labels=1,
+            **SMALL,
+        )
+        folder = tmp_path / "mistral"
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(rewards / "llama").save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, attn_implementation=attention)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(1)
+    torch.nn.init.normal_(model.score.weight)  # (a fresh head: rewards apart enough to tell a wrong token)
+    rows = [json.loads(line) for line in open(rewards / "pairs.jsonl")][:6]
+    rows[1] = {**rows[1], "rejected": rows[1]["chosen"] + " and more"}  # the chosen answer starts the rejected one
+    rows[2] = {**rows[2], "chosen": rows[2]["chosen"] + " " + rows[2]["chosen"]}  # longer: the others padded
+    pairs, _ = reward.tokenized_pairs(datasets.Dataset.from_list(rows), tokenizer, 96, "pairs")
+    layout = reward.one_row_layout(model, "one-row")
+    assert layout == ("additive" if attention == "eager" else "bool")
+    collator = reward.OneRowCollator(tokenizer.pad_token_id, model.config, layout)
+    trainer = reward.RewardTrainer(
+        model=model,
+        args=TrainingArguments(output_dir=str(tmp_path / "t"), use_cpu=True, report_to=[]),
+        data_collator=collator,
+        center=0.0,
+    )
+    batch = collator([pairs[i] for i in range(len(pairs))])
+    longest = max(
+        len(p["chosen_ids"]) + len(p["rejected_ids"]) - reward.shared_prefix(p["chosen_ids"], p["rejected_ids"])
+        for p in pairs
+    )
+    assert batch["input_ids"].shape == (6, longest)  # each row: the shared tokens once
+    with torch.no_grad():
+        _, scored = trainer.compute_loss(model.eval(), batch, return_outputs=True)
+    alone = model.double()
+    with torch.no_grad():
+        expected = [
+            [alone(input_ids=torch.tensor([ids])).logits[0, 0].item() for ids in (p["chosen_ids"], p["rejected_ids"])]
+            for p in pairs
+        ]
+    assert scored.flatten().tolist() == pytest.approx(sum(expected, []), abs=1e-5)
+    assert len({round(x, 3) for x in sum(expected, [])}) >= 8  # rewards apart: a wrong token shows
+
+
+def test_an_encoder_flashattention_or_pair_layout_apart_pads_each_text_alone(rewards):
+    encoder = AutoModelForSequenceClassification.from_pretrained(rewards / "encoder", num_labels=1)
+    decoder = AutoModelForSequenceClassification.from_pretrained(rewards / "llama", num_labels=1)
+    assert reward.one_row_layout(encoder, "one-row") is None and reward.one_row_layout(decoder, "apart") is None
+    decoder.config._attn_implementation = "flash_attention_2"  # (the fact a GPU run would have: no 4-D mask)
+    assert reward.one_row_layout(decoder, "one-row") is None
+    assert reward.shared_prefix([1, 2, 3], [1, 2, 3]) == 2 and reward.shared_prefix([1, 2], [1, 2, 5, 6]) == 1
+    assert reward.shared_prefix([1, 2, 3], [1, 4, 3]) == 1 and reward.shared_prefix([7], [8, 9]) == 0
+
+
 @pytest.fixture(scope="module")
 def one_process(rewards, tmp_path_factory):
     out = tmp_path_factory.mktemp("reward-one") / "run"
@@ -152,6 +227,22 @@ def test_zero_2_and_3_on_2_ranks_learn_the_pairs_and_save_whole_models(rewards, 
     zero2, zero3 = runs.values()  # the first 10 steps: one process
     assert zero2["train_log"][0]["loss"] == pytest.approx(one["train_log"][0]["loss"], rel=1e-5)
     assert zero3["train_log"][0]["loss"] == pytest.approx(one["train_log"][0]["loss"], rel=1e-5)
+
+
+def test_a_decoder_in_one_row_under_zero_3_on_2_ranks_starts_as_one_process(rewards, tmp_path):
+    """The one-row layout's hook on the head under ZeRO-3 (the head's weight gathered for each forward): OPT with
+    margins and centering on 2 ranks, micro-batch 8, against one process at 16: the first 10 steps' mean loss
+    (1e-5), and the model gathered from the shards scores the eval pairs as stock transformers do alone."""
+    extra = ["--epochs", "1", "--center-rewards-coefficient", "0.01"]
+    one = classification.main(args(rewards, tmp_path / "one", "opt", "margins.jsonl", *extra))
+    argv = args(rewards, tmp_path / "zero3", "opt", "margins.jsonl", *extra, "--deepspeed", "ds_config_zero3.json")
+    argv[argv.index("--batch-size") + 1] = "8"
+    check(launch("forked", "sequence_classification.py", argv))
+    two = results(tmp_path / "zero3")
+    assert two["train_log"][0]["loss"] == pytest.approx(one["train_log"][0]["loss"], rel=1e-5)
+    loss, _, scores = independent(tmp_path / "zero3" / "final", rewards / "margins.jsonl", eval_rows)
+    centered = loss + 0.01 * ((scores[:, 0] + scores[:, 1]) ** 2).mean().item()
+    assert two["eval_loss"] == pytest.approx(centered, rel=1e-5) and two["world_size"] == 2
 
 
 @pytest.mark.parametrize(
