@@ -191,17 +191,34 @@ def check_trainer_resume(folder, world_size, deepspeed, rank):
     return Path(last)
 
 
-class MendEngine(TrainerCallback):
-    """DeepSpeed's defects and slow paths mended (--mends; finetune/internals/mends.py) on the engine the Trainer
-    builds, as zero-optimization.py mends its own: once it exists (a resume's checkpoint loaded), before the first
-    step. `mended` holds what changed, undone at the end."""
+@contextlib.contextmanager
+def mended_engines(accelerator, choice, say):
+    """DeepSpeed's defects and slow paths mended (--mends; finetune/internals/mends.py) on each training engine the
+    HF Trainer builds, as zero-optimization.py mends its own: as accelerate's prepare() returns it, so before a resume
+    loads its checkpoint and before the first step. What they changed for the whole process is undone at the end."""
+    from accelerate.utils import DistributedType
 
-    def __init__(self, engine, choice, say):
-        self.engine, self.choice, self.say, self.mended = engine, choice, say, None  # engine(): the Trainer's
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        yield
+        return
+    from deepspeed import DeepSpeedEngine
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.engine() is not None and self.mended is None:
-            self.mended = mends.mend(self.engine(), self.choice, self.say)
+    prepare, mended = accelerator.prepare, {}
+
+    def prepare_and_mend(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        for part in prepared if isinstance(prepared, tuple) else [prepared]:
+            if isinstance(part, DeepSpeedEngine) and part.optimizer is not None:  # (not an evaluation's engine)
+                mended[id(part)] = mends.mend(part, choice, say)
+        return prepared
+
+    accelerator.prepare = prepare_and_mend
+    try:
+        yield
+    finally:
+        accelerator.prepare = prepare
+        for engine_mends in mended.values():
+            engine_mends.undo()  # DeepSpeed's own functions back, for a next run in this process
 
 
 class StopOnSignal(TrainerCallback):
@@ -288,7 +305,7 @@ def main(argv=None):
         eval_strategy="epoch", save_strategy="epoch", save_total_limit=2, load_best_model_at_end=True,
         metric_for_best_model="accuracy_then_loss", greater_is_better=True,  # of equal accuracies, the lower loss
         logging_steps=10, report_to=list(run_flags.report_to), deepspeed=ds_config,
-        logging_nan_inf_filter=False,  # (its check reads the loss on the host each step; a NaN is then logged as one)
+        logging_nan_inf_filter=False,  # (its check reads each step's loss on the host; a NaN now shows in the logs)
         disable_tqdm=not run_flags.verbose, log_level="warning" if run_flags.verbose else "error",
         use_cpu=device.type == "cpu",  # on a machine without CUDA; without it a distributed launch miscounts ranks
         dataloader_pin_memory=device.type == "cuda", ddp_timeout=config.zero.dist_timeout,
@@ -310,10 +327,9 @@ def main(argv=None):
     if resume:
         say(f"resuming from {resume.name}")
     stop = StopOnSignal(training.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
-    mend = MendEngine(lambda: trainer.deepspeed, config.zero.mends, say)  # DeepSpeed's defects, slow paths (--mends)
     if rewards:  # a reward model: Bradley-Terry over pairs, a batch's chosen and rejected texts padded together
         trainer_class = functools.partial(reward.RewardTrainer, center=config.classifier.center_rewards_coefficient)
-        layout = reward.one_row_layout(model, config.classifier.pair_layout)  # a decoder's: a pair a row
+        layout = reward.one_row_layout(model, config.classifier.pair_layout, training_args.n_gpu)  # a pair a row
         collator = reward.OneRowCollator(tokenizer.pad_token_id, model.config, layout) if layout else \
             reward.PairCollator(tokenizer)
         scores = lambda p: reward.reward_metrics(p.predictions)
@@ -322,20 +338,21 @@ def main(argv=None):
         scores = lambda p: classification_metrics(p.predictions, p.label_ids, len(names))
     trainer = trainer_class(model=model, args=training_args, train_dataset=train, eval_dataset=evaluation,
                             processing_class=tokenizer, data_collator=collator, compute_metrics=scores,
-                            callbacks=[EpochLine(say), stop, mend])
+                            callbacks=[EpochLine(say), stop])
     if not run_flags.verbose:
         trainer.remove_callback(PrinterCallback)  # a dict of figures every logging_steps: EpochLine instead
 
     # -------------------------------------------------------------------------------- train, evaluate, save
     start = time.perf_counter()
-    with checkpoints.loading_safely():  # a resume loads no code (DeepSpeed's engine asks for weights_only=False)
-        train_metrics = trainer.train(resume_from_checkpoint=str(resume) if resume else None).metrics
-    train_time = time.perf_counter() - start
-    if stop.step is not None:  # stopped by a signal, its checkpoint written
-        stop.stop.exit(stop.step, say)
-    metrics = trainer.evaluate()  # the best epoch's model, reloaded at the end of training
-    final = out / "final"
-    trainer.save_model(str(final))  # a collective under ZeRO-3: the shards are gathered
+    with mended_engines(trainer.accelerator, config.zero.mends, say):  # DeepSpeed's defects, slow paths (--mends)
+        with checkpoints.loading_safely():  # a resume loads no code (DeepSpeed's engine asks for weights_only=False)
+            train_metrics = trainer.train(resume_from_checkpoint=str(resume) if resume else None).metrics
+        train_time = time.perf_counter() - start
+        if stop.step is not None:  # stopped by a signal, its checkpoint written
+            stop.stop.exit(stop.step, say)
+        metrics = trainer.evaluate()  # the best epoch's model, reloaded at the end of training
+        final = out / "final"
+        trainer.save_model(str(final))  # a collective under ZeRO-3: the shards are gathered
     results = {"accuracy": metrics["eval_accuracy"], "f1_macro": metrics.get("eval_f1_macro"),
                "eval_loss": metrics["eval_loss"], "train_runtime_s": train_time,
                "samples_per_sec": train_metrics["train_samples_per_second"], "world_size": world_size,
@@ -350,8 +367,6 @@ def main(argv=None):
         for example in examples:  # a reward model: the first eval pair's chosen and rejected texts, and their rewards
             answer = classify(example, **({"function_to_apply": "none"} if rewards else {}))[0]  # (a reward: raw)
             say(f"{answer['label']:>12} ({answer['score']:.2f})  {example[:70]!r}")
-    if mend.mended:
-        mend.mended.undo()  # DeepSpeed's own functions back, for a next run in this process
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()  # leave the group cleanly: no abort at exit
     return results

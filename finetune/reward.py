@@ -89,13 +89,23 @@ def pooled_token(ids, pad_id):
     return int(kept[-1]) if len(kept) else 0
 
 
-def one_row_layout(model, pair_layout):
-    """The one-row layout's attention (attention_layout's "bool" or "additive"), or None where the pairs' texts are
-    padded apart: an encoder (it pools its first token, which sees the whole text), --pair-layout apart, or
-    FlashAttention (no 4-D mask)."""
-    layout = attention_layout(getattr(model.config, "_attn_implementation", None))
-    head = getattr(model, "score", None)  # a decoder's head, applied to every token before it pools the last one
-    return layout if pair_layout == "one-row" and isinstance(head, torch.nn.Linear) and layout != "varlen" else None
+# the decoders whose sequence-classification forward takes position ids and a 4-D mask through every layer as given,
+# each checked against its texts scored alone (tests/test_reward.py); others are padded apart: ALiBi models (Bloom,
+# Falcon, MPT) place tokens by column, recurrent layers (Jamba, Qwen3-Next) carry the chosen text into the rejected one
+ONE_ROW_MODELS = ("opt", "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+
+
+def one_row_layout(model, pair_layout, replicas=1):
+    """The one-row layout's attention mask (attention_layout's "bool" for SDPA or "additive" for eager attention), or
+    None where the pairs' texts are padded apart: --pair-layout apart, an encoder (it pools its first token, which sees
+    the whole text), a model not in ONE_ROW_MODELS, another attention (FlashAttention takes no 4-D mask, flex
+    attention adds it to the scores), or the Trainer's DataParallel over `replicas` GPUs (a replica a thread: the
+    head's kept output would be one replica's)."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if pair_layout != "one-row" or model.config.model_type not in ONE_ROW_MODELS or replicas > 1 or \
+            implementation not in ("sdpa", "eager"):
+        return None
+    return attention_layout(implementation)
 
 
 class OneRowCollator:

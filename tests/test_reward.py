@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import check, launch, load_script, results
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, BloomConfig, pipeline
 
 from finetune import reward
 from finetune.internals import demo
@@ -109,7 +109,8 @@ def test_the_bradley_terry_loss_is_trls_formula():
 
 @pytest.mark.parametrize(
     "family, attention",
-    [("opt", "sdpa"), ("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"), ("qwen2", "sdpa"), ("mistral", "sdpa")],
+    [("opt", "sdpa"), ("llama", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"), ("qwen2", "sdpa"), ("mistral", "sdpa")]
+    + [("qwen3", "sdpa"), ("gemma", "sdpa"), ("gemma2", "eager"), ("phi3", "sdpa")],
 )
 def test_a_pair_in_one_row_scores_each_text_as_alone(rewards, tmp_path, family, attention):
     """The one-row layout (a decoder's default): each pair's shared tokens once, then the rest of each text. Through
@@ -119,18 +120,22 @@ def test_a_pair_in_one_row_scores_each_text_as_alone(rewards, tmp_path, family, 
     from transformers import AutoConfig, TrainingArguments
 
     folder = rewards / family
-    if family == "mistral":  # a sliding window shorter than every text: the mask must window each text as alone
+    if family not in ("opt", "llama", "gpt2", "qwen2"):  # Mistral's sliding window shorter than every text: the mask
+        # must window each text as alone; Gemma 2's too, on every other layer, with its scores' softcapping
+        window = {"sliding_window": 8} if family in ("mistral", "gemma2") else {}
         config = AutoConfig.for_model(
-            "mistral",
+            family,
             num_key_value_heads=2,
             max_position_embeddings=128,
-            sliding_window=8,
+            head_dim=16,
             bos_token_id=2,
             eos_token_id=2,
+            pad_token_id=0,
             num_labels=1,
+            **window,
             **SMALL,
         )
-        folder = tmp_path / "mistral"
+        folder = tmp_path / family
         torch.manual_seed(0)
         AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
         AutoTokenizer.from_pretrained(rewards / "llama").save_pretrained(folder)
@@ -169,14 +174,21 @@ def test_a_pair_in_one_row_scores_each_text_as_alone(rewards, tmp_path, family, 
         ]
     assert scored.flatten().tolist() == pytest.approx(sum(expected, []), abs=1e-5)
     assert len({round(x, 3) for x in sum(expected, [])}) >= 8  # rewards apart: a wrong token shows
+    assert family in reward.ONE_ROW_MODELS
 
 
-def test_an_encoder_flashattention_or_pair_layout_apart_pads_each_text_alone(rewards):
+def test_an_encoder_alibi_flashattention_or_pair_layout_apart_pads_each_text_alone(rewards):
     encoder = AutoModelForSequenceClassification.from_pretrained(rewards / "encoder", num_labels=1)
     decoder = AutoModelForSequenceClassification.from_pretrained(rewards / "llama", num_labels=1)
     assert reward.one_row_layout(encoder, "one-row") is None and reward.one_row_layout(decoder, "apart") is None
-    decoder.config._attn_implementation = "flash_attention_2"  # (the fact a GPU run would have: no 4-D mask)
-    assert reward.one_row_layout(decoder, "one-row") is None
+    assert reward.one_row_layout(decoder, "one-row", replicas=2) is None  # the Trainer's DataParallel
+    for implementation in ("flash_attention_2", "flex_attention"):  # (facts of a GPU run: no 4-D mask, or added)
+        decoder.config._attn_implementation = implementation
+        assert reward.one_row_layout(decoder, "one-row") is None
+    bloom = AutoModelForSequenceClassification.from_config(
+        BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=400, num_labels=1)
+    )
+    assert isinstance(bloom.score, torch.nn.Linear) and reward.one_row_layout(bloom, "one-row") is None  # ALiBi
     assert reward.shared_prefix([1, 2, 3], [1, 2, 3]) == 2 and reward.shared_prefix([1, 2], [1, 2, 5, 6]) == 1
     assert reward.shared_prefix([1, 2, 3], [1, 4, 3]) == 1 and reward.shared_prefix([7], [8, 9]) == 0
 
