@@ -327,7 +327,7 @@ def main(argv=None):
     if resume:
         say(f"resuming from {resume.name}")
     stop = StopOnSignal(training.Stop(out))  # SIGTERM, SIGUSR1: a checkpoint after the step in flight, then exit 75
-    if rewards:  # a reward model: Bradley-Terry over pairs, a batch's chosen and rejected texts padded together
+    if rewards:  # a reward model: Bradley-Terry over pairs, each in a row on a decoder, else its texts padded apart
         trainer_class = functools.partial(reward.RewardTrainer, center=config.classifier.center_rewards_coefficient)
         layout = reward.one_row_layout(model, config.classifier.pair_layout, training_args.n_gpu)  # a pair a row
         collator = reward.OneRowCollator(tokenizer.pad_token_id, model.config, layout) if layout else \

@@ -8,9 +8,10 @@ A pair's two texts are the prompt followed by each answer (strings, each ending 
 messages, rendered with the chat template); a pair whose longer text passes --max-length is left out and counted (as
 TRL filters it: a cut answer would be scored on what it did not say).
 
-A decoder scores a pair in one row (--pair-layout one-row): the tokens the two texts share (the prompt) once, then
-the rest of each text, which sees those and itself at the positions it has alone. Its last token's reward is then the
-one the text gets alone, and the prompt is computed once, not twice (TRL pads each text in a row of its own)."""
+A decoder of the families ONE_ROW_MODELS lists scores a pair in one row (--pair-layout one-row): the tokens the two
+texts share (the prompt) once, then the rest of each text, which sees those and itself at the positions it has
+alone. Each text's reward is then the one it gets alone, and the prompt is computed once, not twice (TRL pads each
+text in a row of its own)."""
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -172,7 +173,7 @@ class RewardTrainer(Trainer):
         logits = model(**inputs).logits
         if ends is None:  # a batch's chosen texts, then its rejected ones
             chosen, rejected = logits.squeeze(-1).float().chunk(2)
-        else:  # each row's two last tokens
+        else:  # each row's two scored tokens
             rows = torch.arange(len(ends), device=ends.device)[:, None]
             chosen, rejected = self.per_token[rows, ends].squeeze(-1).float().unbind(1)
             self.per_token = None
